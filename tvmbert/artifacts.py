@@ -1,0 +1,99 @@
+"""The work directory: one folder per stage and job, written atomically, reused when unchanged.
+
+Layout: ``<workdir>/<model-key>/b<batch>-s<seq>-<dtype>/<stage>/`` for the target-independent
+stages (trace, convert, optimize) and ``.../<target-key>/<stage>/`` for the rest. Each folder ends
+with ``stage.json``, written last: a folder without it (a crash mid-write) is never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MissingArtifactError
+
+STAGE_FILE = "stage.json"
+FORMAT_VERSION = 1  # bump when an artifact's files change meaning
+
+
+def fingerprint(**inputs) -> str:
+    """A stable hash of everything that decides a stage's output."""
+    blob = json.dumps({"format": FORMAT_VERSION, **inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    stage: str
+    path: Path
+    fingerprint: str
+    meta: dict
+    cached: bool
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+def read(stage: str, path: Path) -> Artifact | None:
+    try:
+        meta = json.loads((path / STAGE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return Artifact(stage, path, meta.get("fingerprint", ""), meta, cached=True)
+
+
+def cached(stage: str, path: Path, expected: str) -> Artifact | None:
+    artifact = read(stage, path)
+    return artifact if artifact is not None and artifact.fingerprint == expected else None
+
+
+def require(stage: str, path: Path, hint: str) -> Artifact:
+    artifact = read(stage, path)
+    if artifact is None:
+        raise MissingArtifactError(f"no {stage} artifact at {path}: run `{hint}` first (or drop --no-deps)")
+    return artifact
+
+
+@contextmanager
+def writing(stage: str, path: Path, fp: str, meta: dict):
+    """Yields a fresh temporary folder; on success it replaces ``path`` whole, never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        write_json(tmp / STAGE_FILE, {"stage": stage, "fingerprint": fp, **meta})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: Path, data) -> None:
+    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Atomic: a reader sees the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

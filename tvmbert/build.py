@@ -1,0 +1,86 @@
+"""Stage 5: compile for the target with the tuning database applied; export library + params."""
+
+from __future__ import annotations
+
+import time
+
+from . import artifacts, toolchain, tuning_db
+from .artifacts import Artifact
+from .convert import PARAMS_FILE, load_module, load_params, save_params
+from .errors import StageFailed
+from .job import Job
+from .optimize import optimize
+
+LIBRARY_FILE = "model.so"
+
+
+def build(job: Job, force: bool = False) -> Artifact:
+    optimized = job.upstream("optimize", optimize)
+    log_dir = job.log_dir()
+    fp = artifacts.fingerprint(stage="build", optimize=optimized.fingerprint, target=job.target.config,
+                               database=tuning_db.state(log_dir))
+    path = job.stage_dir("build")
+    if not force and (hit := artifacts.cached("build", path, fp)):
+        job.say(f"build: cached ({path})")
+        return hit
+    toolchain.check(job.target)
+    import tvm
+    from tvm import relax
+
+    target = job.target.tvm_target()
+    optimized_module = load_module(optimized.path)
+    module = tuning_db.inference_module(optimized_module)
+    database = tuning_db.open_database(log_dir)
+    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
+    untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t, target)]
+    job.say(f"build: {job.target.key}, {len(tasks) - len(untuned)}/{len(tasks)} tasks tuned ({log_dir})")
+    started = time.perf_counter()
+    with target:
+        if database is not None:
+            with database:
+                module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
+        if job.target.is_gpu:
+            module = _default_gpu_schedules()(module)
+    try:
+        executable = tvm.compile(module, target)
+    except Exception as exc:
+        raise StageFailed(f"TVM build for {job.target.key} failed: {str(exc).splitlines()[-1]}") from exc
+    params = load_params(job.stage_dir("convert") / PARAMS_FILE)
+    if "main_transform_params" in [gv.name_hint for gv in optimized_module.get_global_vars()]:
+        params = _transform_params(optimized_module, params)
+    meta = {
+        "artifact": str(path / LIBRARY_FILE),
+        "target": job.target.config,
+        "target_key": job.target.key,
+        "database": str(log_dir),
+        "tasks_total": len(tasks),
+        "tasks_tuned": len(tasks) - len(untuned),
+        "untuned": untuned,
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "outputs": optimized.meta.get("outputs") or [],
+    }
+    with artifacts.writing("build", path, fp, meta) as tmp:
+        executable.export_library(str(tmp / LIBRARY_FILE))
+        save_params(tmp / PARAMS_FILE, params)
+    return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def _default_gpu_schedules():
+    """dlight's rules for kernels the database has no schedule for; tuned ones are left alone."""
+    from tvm.s_tir import dlight
+
+    return dlight.ApplyDefaultSchedule(
+        dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(), dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()
+    )
+
+
+def _transform_params(module, params: dict) -> dict:
+    """Runs main_transform_params once, on the CPU, so the library gets its weights ready-made."""
+    import tvm
+    from tvm import relax
+
+    transform = tvm.IRModule({gv: f for gv, f in module.functions_items() if gv.name_hint != "main"})
+    transform = relax.transform.DeadCodeElimination(["main_transform_params"])(transform)
+    vm = relax.VirtualMachine(tvm.compile(transform, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    outputs = vm["main_transform_params"]([tvm.runtime.tensor(w) for w in params.values()])
+    return {f"w{i:04d}": out.numpy() for i, out in enumerate(outputs)}

@@ -1,0 +1,302 @@
+"""The `tvmbert` command: parses options, calls the stage functions, prints. No logic of its own."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import warnings
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import config as config_module
+from .config import JobConfig
+from .errors import CheckFailed, TvmbertError
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _common(func):
+    """Options every stage shares: what model, which shape and dtype, for which target, where."""
+    options = [
+        click.argument("model", required=False),
+        click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
+        click.option("--batch", type=int, help="Batch size of the example inputs."),
+        click.option("--seq-len", type=int, help="Sequence length (default: the text's length, or 14)."),
+        click.option("--text", help="Example text, for models with a tokenizer."),
+        click.option("--dtype", help="float32 (default) or float64."),
+        click.option("--seed", type=int, help="Seed of a preset's random weights."),
+        click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
+        click.option("--workdir", help="Where artifacts go (default: build)."),
+        click.option("--log-dir", help="Where tuning databases live (default: tuning_logs)."),
+        click.option("--no-deps", is_flag=True, help="Never run an earlier stage; its artifact must exist."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _job(params: dict, overrides: dict | None = None):
+    """A Job from the config file (if any), overridden by the flags given."""
+    from .job import Job
+
+    base = config_module.load(params.pop("config_path")) if params.get("config_path") else JobConfig()
+    params.pop("config_path", None)
+    model = params.pop("model")
+    flags = {
+        "model": model,
+        **{k: params.pop(k) for k in ("batch", "seq_len", "text", "dtype", "seed", "target", "workdir", "log_dir")},
+        **(overrides or {}),
+    }
+    job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))
+    return job
+
+
+def _emit(as_json: bool, result: dict, human) -> None:
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        human(result)
+
+
+def _quiet_warnings(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="tvmbert")
+def cli():
+    """Compile and tune HuggingFace BERT encoders with Apache TVM."""
+
+
+@cli.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@_quiet_warnings
+def trace(as_json, force, **params):
+    """torch.export the model with its example inputs."""
+    from .pipeline import artifact_summary
+    from .trace import trace as run
+
+    _emit(as_json, artifact_summary(run(_job(params), force=force)), _print_artifact("trace"))
+
+
+@cli.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@_quiet_warnings
+def convert(as_json, force, **params):
+    """Import the exported program into TVM Relax (IR saved as TVMScript)."""
+    from .convert import convert as run
+    from .pipeline import artifact_summary
+
+    _emit(as_json, artifact_summary(run(_job(params), force=force)), _print_artifact("convert"))
+
+
+@cli.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@click.option("--passes", help="Comma-separated pass pipeline (default: the config's, or all).")
+@click.option("--disable", multiple=True, help="Leave out a pass by name (repeatable).")
+@_quiet_warnings
+def optimize(as_json, force, passes, disable, **params):
+    """Run the graph-pass pipeline; report op counts before and after."""
+    from .optimize import optimize as run
+    from .pipeline import artifact_summary
+
+    overrides = {"passes": tuple(p.strip() for p in passes.split(",") if p.strip())} if passes else None
+    result = artifact_summary(run(_job(params, overrides), force=force, disable=tuple(disable)))
+    _emit(as_json, result, _print_ops)
+
+
+@cli.command()
+@_common
+@click.option("--trials", type=int, help="Total measurement trials for this run.")
+@click.option("--trials-per-task", type=int, help="At most this many trials per task.")
+@click.option("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker to measure on.")
+@click.option("--rpc-key", help="Device key registered with the tracker.")
+@_quiet_warnings
+def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, **params):
+    """Tune the model's kernels with MetaSchedule into the target's database."""
+    from .tune import tune as run
+
+    overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
+    result = run(_job(params, overrides)).to_json()
+    _emit(as_json, result, _print_mapping("tune"))
+
+
+@cli.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@_quiet_warnings
+def build(as_json, force, **params):
+    """Compile for the target with the tuning database applied."""
+    from .build import build as run
+    from .pipeline import artifact_summary
+
+    _emit(as_json, artifact_summary(run(_job(params), force=force)), _print_build)
+
+
+@cli.command()
+@_common
+@click.option("--samples", type=int, help="Inputs compared (the example, then padded random ones).")
+@click.option("--tolerance", type=float, help="Max abs diff allowed (default 1e-4 fp32, 1e-10 fp64).")
+@_quiet_warnings
+def verify(as_json, samples, tolerance, **params):
+    """Compare every output with PyTorch; exit 1 when over tolerance."""
+    from .verify import check
+    from .verify import verify as run
+
+    result = run(_job(params, {"verify.samples": samples, "verify.tolerance": tolerance}))
+    _emit(as_json, result.to_json(), _print_verify)
+    check(result)
+
+
+@cli.command()
+@_common
+@click.option("--warmup", type=int, help="Untimed runs per engine first.")
+@click.option("--repeat", type=int, help="At least this many timed runs per engine.")
+@click.option("--min-time", type=float, help="And at least this many seconds per engine.")
+@click.option("--threads", type=int, help="Threads for every engine (default: all cores).")
+@_quiet_warnings
+def bench(as_json, warmup, repeat, min_time, threads, **params):
+    """Time TVM against PyTorch on the same inputs, interleaved."""
+    from .bench import bench as run
+
+    overrides = {"bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
+    _emit(as_json, run(_job(params, overrides)), _print_bench)
+
+
+@cli.command("run")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.option("--model", help="Override the config's model.")
+@click.option("--target", help="Override the config's target.")
+@click.option("--workdir", help="Where artifacts go.")
+@click.option("--log-dir", help="Where tuning databases live.")
+@click.option("--force", is_flag=True, help="Redo every listed stage even when cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@_quiet_warnings
+def run_config(config_path, model, target, workdir, log_dir, force, as_json):
+    """Run the stages a YAML config lists, in order."""
+    from .job import Job
+    from .pipeline import run
+
+    config = config_module.load(config_path).with_overrides(model=model, target=target, workdir=workdir, log_dir=log_dir)
+    results = run(Job(config), force=force)
+    _emit(as_json, results, _print_run)
+    if results.get("verify", {}).get("passed") is False:
+        raise CheckFailed(f"verify failed: max abs diff {results['verify']['max_abs_diff']:.3g} > {results['verify']['tolerance']:.3g}")
+
+
+# ---- human output -------------------------------------------------------------------------
+
+out = Console(highlight=False)
+
+
+def _print_artifact(stage):
+    def show(result):
+        out.print(f"{stage}: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
+
+    return show
+
+
+def _print_mapping(title):
+    def show(result):
+        table = Table(title=title, show_header=False)
+        for key, value in result.items():
+            table.add_row(key, ", ".join(map(str, value)) if isinstance(value, list) else str(value))
+        out.print(table)
+
+    return show
+
+
+def _print_ops(result):
+    table = Table(title=f"op counts ({' -> '.join(result['passes'])})")
+    table.add_column("op")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    for op in sorted(set(result["ops_before"]) | set(result["ops_after"])):
+        table.add_row(op, str(result["ops_before"].get(op, "")), str(result["ops_after"].get(op, "")))
+    out.print(table)
+
+
+def _print_build(result):
+    out.print(f"build: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
+    out.print(f"tuned tasks: {result['tasks_tuned']}/{result['tasks_total']} from {result['database']}")
+    if result["untuned"]:
+        out.print(f"untuned (default schedules): {', '.join(result['untuned'])}")
+
+
+def _print_verify(result):
+    table = Table(title=f"verify against PyTorch ({result['dtype']}, {result['samples']} inputs, {result['target']})")
+    for column in ("output", "shape", "max abs diff", "max rel diff"):
+        table.add_column(column)
+    for o in result["outputs"]:
+        table.add_row(o["name"], "x".join(map(str, o["shape"])), f"{o['max_abs_diff']:.3g}", f"{o['max_rel_diff']:.3g}")
+    out.print(table)
+    verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
+    out.print(f"verify: {verdict} max abs diff {result['max_abs_diff']:.3g} (tolerance {result['tolerance']:.3g})")
+
+
+def _print_bench(result):
+    shape = result["shape"]
+    table = Table(title=f"{result['model']} {shape['batch']}x{shape['seq_len']} {result['dtype']}, "
+                        f"{result['threads']} threads, {result['target']}")
+    for column in ("engine", "median ms", "p90 ms", "p99 ms", "seq/s", "runs"):
+        table.add_column(column, justify="right" if column != "engine" else "left")
+    for name, stats in result["engines"].items():
+        if "skipped" in stats:
+            table.add_row(name, f"skipped: {stats['skipped']}", "", "", "", "")
+        else:
+            table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", f"{stats['p99_ms']:.3f}",
+                          f"{stats['throughput']:.1f}", str(stats["runs"]))
+    out.print(table)
+    if result["speedup"]:
+        out.print(f"tvm vs torch-eager: {result['speedup']:.2f}x")
+
+
+def _print_run(results):
+    printers = {"verify": _print_verify, "bench": _print_bench, "build": _print_build, "optimize": _print_ops,
+                "tune": _print_mapping("tune")}
+    for stage, result in results.items():
+        printers.get(stage, _print_artifact(stage))(result)
+
+
+def main(argv=None) -> int:
+    try:
+        cli.main(args=argv, prog_name="tvmbert", standalone_mode=False)
+    except click.exceptions.Exit as stop:
+        return stop.exit_code
+    except click.ClickException as exc:
+        err.print(f"error: {exc.format_message()}", markup=False)
+        return 2
+    except click.Abort:
+        err.print("interrupted")
+        return 130
+    except TvmbertError as exc:
+        err.print(f"error: {exc}", markup=False)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except Exception as exc:  # a bug or a TVM failure we did not anticipate: one line, details on request
+        if os.environ.get("TVMBERT_TRACEBACK"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[-1]
+        err.print(f"error: internal failure ({type(exc).__name__}: {first}); set TVMBERT_TRACEBACK=1 for the traceback", markup=False)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

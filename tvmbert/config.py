@@ -1,0 +1,158 @@
+"""Typed job configuration: YAML files in configs/ and CLI flags both end up here, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+from .errors import InputError
+
+STAGES = ("trace", "convert", "optimize", "tune", "build", "verify", "bench")
+DTYPE_NAMES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    trials: int = 0  # 0: tune nothing, build with what the database already has
+    trials_per_task: int | None = None
+    rpc_tracker: str | None = None  # HOST:PORT
+    rpc_key: str | None = None
+
+    def validate(self, where: str) -> None:
+        _require(self.trials >= 0, where, "tune.trials", "a number >= 0")
+        _require(self.trials_per_task is None or self.trials_per_task > 0, where, "tune.trials_per_task", "a number > 0")
+        _require((self.rpc_tracker is None) == (self.rpc_key is None), where, "tune.rpc_key", "given together with tune.rpc_tracker")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    warmup: int = 3
+    repeat: int = 20  # at least this many timed runs per engine...
+    min_time_s: float = 1.0  # ...and at least this long
+    threads: int | None = None  # default: every core of the machine, for every engine
+
+    def validate(self, where: str) -> None:
+        _require(self.warmup >= 0, where, "bench.warmup", "a number >= 0")
+        _require(self.repeat >= 1, where, "bench.repeat", "a number >= 1")
+        _require(self.min_time_s >= 0, where, "bench.min_time_s", "a number >= 0")
+        _require(self.threads is None or self.threads >= 1, where, "bench.threads", "a number >= 1")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    samples: int = 3  # inputs compared: the example input, then seeded random ones with padding
+    tolerance: float | None = None  # max abs diff allowed; default depends on dtype
+
+    def validate(self, where: str) -> None:
+        _require(self.samples >= 1, where, "verify.samples", "a number >= 1")
+        _require(self.tolerance is None or self.tolerance > 0, where, "verify.tolerance", "a number > 0")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a stage needs to know; artifacts are keyed by the parts that change them."""
+
+    model: str = "bert-tiny"
+    batch: int = 1
+    seq_len: int | None = None  # default: the tokenized text's length, or 14
+    text: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    target: str = "llvm"
+    passes: tuple[str, ...] | None = None  # None: the default pipeline of the optimize stage
+    stages: tuple[str, ...] = ("trace", "convert", "optimize", "build", "verify", "bench")
+    workdir: str = "build"
+    log_dir: str = "tuning_logs"
+    tune: TuneOptions = field(default_factory=TuneOptions)
+    bench: BenchOptions = field(default_factory=BenchOptions)
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+
+    def validate(self, where: str = "options") -> JobConfig:
+        _require(self.batch >= 1, where, "batch", "a number >= 1")
+        _require(self.seq_len is None or self.seq_len >= 1, where, "seq_len", "a number >= 1")
+        _require(self.dtype in DTYPE_NAMES, where, "dtype", f"one of {', '.join(DTYPE_NAMES)}")
+        unknown = [s for s in self.stages if s not in STAGES]
+        _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")
+        if self.passes is not None:
+            from .optimize import check_pass_names
+
+            check_pass_names(self.passes, where)
+        self.tune.validate(where)
+        self.bench.validate(where)
+        self.verify.validate(where)
+        return self
+
+    def with_overrides(self, **overrides) -> JobConfig:
+        """CLI flags win over the file; None means the flag was not given."""
+        top = {k: v for k, v in overrides.items() if v is not None and "." not in k}
+        config = replace(self, **top)
+        for section in ("tune", "bench", "verify"):
+            nested = {k.split(".", 1)[1]: v for k, v in overrides.items() if v is not None and k.startswith(section + ".")}
+            if nested:
+                config = replace(config, **{section: replace(getattr(config, section), **nested)})
+        return config.validate()
+
+
+def _require(ok: bool, where: str, key: str, expected: str) -> None:
+    if not ok:
+        raise InputError(f"{where}: '{key}' must be {expected}")
+
+
+def load(path: str | Path) -> JobConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise InputError(f"{path}:{line} is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping of keys at the top level")
+    return _from_mapping(JobConfig, data, str(path), "").validate(str(path))
+
+
+def _from_mapping(cls, data: dict, where: str, prefix: str):
+    known = {f.name: f for f in fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise InputError(f"{where}: unknown key '{prefix}{key}' (known: {', '.join(known)})")
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise InputError(f"{where}: '{prefix}{key}' must be a mapping")
+            values[name] = _from_mapping(hint, value, where, f"{prefix}{name}.")
+        else:
+            values[name] = _coerce(value, hint, where, f"{prefix}{key}")
+    return cls(**values)
+
+
+def _coerce(value, hint, where: str, key: str):
+    """Checks a YAML value against a field's annotation (int, float, str, tuple[str, ...], optional)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise InputError(f"{where}: '{key}' must not be empty")
+    for option in options:
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        if typing.get_origin(option) is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    names = " or ".join("a list of names" if typing.get_origin(o) is tuple else getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    raise InputError(f"{where}: '{key}' must be {names}, got {value!r}")

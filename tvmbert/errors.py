@@ -1,0 +1,35 @@
+"""One exception hierarchy: the CLI maps each class to one line and an exit code."""
+
+
+class TvmbertError(Exception):
+    """Base of every error tvmbert raises on purpose."""
+
+    exit_code = 2
+
+
+class InputError(TvmbertError):
+    """The user asked for something that cannot be done (bad path, name, value, file)."""
+
+    exit_code = 2
+
+
+class MissingArtifactError(InputError):
+    """A stage ran alone (--no-deps) but the artifact of the stage before it is absent."""
+
+
+class ToolchainError(TvmbertError):
+    """A compiler or device the target needs is not on this machine."""
+
+    exit_code = 2
+
+
+class CheckFailed(TvmbertError):
+    """A check (verify tolerance) ran to the end and did not pass."""
+
+    exit_code = 1
+
+
+class StageFailed(TvmbertError):
+    """A stage failed for a reason that is not the user's input (TVM, PyTorch, exporter)."""
+
+    exit_code = 1

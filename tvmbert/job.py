@@ -1,0 +1,57 @@
+"""A job: a validated config with its model, target and artifact folders resolved once."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+from . import artifacts, models, targets
+from .artifacts import Artifact
+from .config import JobConfig
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+@dataclass
+class Job:
+    config: JobConfig
+    no_deps: bool = False  # never run an earlier stage; its artifact must exist
+    say: Callable[[str], None] = field(default=_to_stderr)  # human progress lines, never stdout
+
+    def __post_init__(self):
+        self.config.validate()
+        self.source = models.resolve(self.config.model, self.config.seed)
+        self.target = targets.resolve(self.config.target)
+        if self.config.seq_len is not None:
+            models.check_seq_len(self.source, self.config.seq_len)
+
+    @cached_property
+    def inputs(self) -> models.ExampleInputs:
+        return models.example_inputs(self.source, self.config.batch, self.config.seq_len, self.config.text)
+
+    @property
+    def shape_key(self) -> str:
+        batch, seq_len = self.inputs.shape
+        return f"b{batch}-s{seq_len}-{self.config.dtype}"
+
+    def stage_dir(self, stage: str) -> Path:
+        base = Path(self.config.workdir) / self.source.key / self.shape_key
+        if stage in ("trace", "convert", "optimize"):
+            return base / stage
+        return base / self.target.key / stage
+
+    def log_dir(self) -> Path:
+        """The tuning database folder for this job's target."""
+        return Path(self.config.log_dir) / self.target.key
+
+    def upstream(self, stage: str, produce: Callable[[Job], Artifact]) -> Artifact:
+        """The artifact of an earlier stage: reused or produced, unless --no-deps forbids producing."""
+        if self.no_deps:
+            path = self.stage_dir(stage)
+            return artifacts.require(stage, path, f"tvmbert {stage} {self.config.model}")
+        return produce(self)

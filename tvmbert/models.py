@@ -1,0 +1,219 @@
+"""Where models come from: preset architectures with seeded weights, or a local HF directory.
+
+Weights never come from the network: presets are built from a config and a seed, and local
+directories are opened with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a user who sets it to 0 still never reaches a hub: we pass local_files_only
+
+import torch  # noqa: E402
+
+from .errors import InputError  # noqa: E402
+
+# The HuggingFace TorchScript tutorial's example, the seed post's input (1 x 14 tokens).
+DEFAULT_TEXT = "[CLS] Who was Jim Henson ? [SEP] Jim Henson was a puppeteer [SEP]"
+DEFAULT_SEQ_LEN = 14
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+
+PRESETS: dict[str, dict] = {
+    "bert-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
+    "bert-mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
+    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+    "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
+}
+
+# model_type values whose HF model takes (input_ids, attention_mask, token_type_ids) and returns
+# last_hidden_state (and pooler_output where the architecture has a pooler).
+BERT_LIKE_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model reference: what to build and a key that names its artifacts."""
+
+    name: str  # what the user typed
+    key: str  # directory-safe, unique per architecture + weights
+    preset: str | None
+    path: Path | None
+    fingerprint: str  # changes when the config or the weights change
+    max_positions: int
+
+
+class _EncoderOutputs(torch.nn.Module):
+    """Fixes the signature to (input_ids, attention_mask, token_type_ids) -> tuple of tensors."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, token_type_ids):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+        return tuple(out[name] for name in ("last_hidden_state", "pooler_output") if out.get(name) is not None)
+
+
+def _hash(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def resolve(name: str, seed: int = 0) -> ModelSource:
+    """Turns a preset name or a directory path into a ModelSource, or says clearly why not."""
+    if name in PRESETS:
+        config = _preset_config(name)
+        return ModelSource(
+            name=name,
+            key=name if seed == 0 else f"{name}-seed{seed}",
+            preset=name,
+            path=None,
+            fingerprint=_hash(config.to_json_string(), f"seed={seed}"),
+            max_positions=config.max_position_embeddings,
+        )
+    path = Path(name).expanduser()
+    looks_like_path = os.sep in name or name.startswith(".") or path.exists()
+    if not looks_like_path:
+        close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise InputError(
+            f"unknown model '{name}': not a preset ({', '.join(PRESETS)}) nor an existing directory{hint}"
+        )
+    if not path.is_dir():
+        raise InputError(f"model directory '{name}' does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(f"'{name}' is not a HuggingFace model directory: config.json is missing")
+    try:
+        config_json = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{config_file}: not valid JSON ({exc})") from None
+    model_type = config_json.get("model_type") if isinstance(config_json, dict) else None
+    if model_type not in BERT_LIKE_TYPES:
+        raise InputError(
+            f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(BERT_LIKE_TYPES)}"
+        )
+    weights = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
+    if not weights:
+        raise InputError(f"'{name}' has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+    stats = [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
+    resolved = path.resolve()
+    return ModelSource(
+        name=name,
+        key=f"{resolved.name}-{_hash(str(resolved))[:8]}",
+        preset=None,
+        path=resolved,
+        fingerprint=_hash(config_file.read_text(), *stats),
+        max_positions=int(config_json.get("max_position_embeddings", 512)),
+    )
+
+
+def _preset_config(name: str):
+    from transformers import BertConfig
+
+    # BertConfig's defaults are the bert-base-uncased architecture; presets change the sizes only.
+    return BertConfig(**PRESETS[name], attn_implementation="eager")
+
+
+def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+    """The PyTorch module in eval mode, with the fixed (ids, mask, segments) -> tuple signature."""
+    if source.preset is not None:
+        from transformers import BertModel
+
+        config = _preset_config(source.preset)
+        config._attn_implementation = attn_implementation
+        torch.manual_seed(seed)
+        model = BertModel(config)
+    else:
+        from transformers import AutoModel
+
+        try:
+            model = AutoModel.from_pretrained(
+                source.path, local_files_only=True, attn_implementation=attn_implementation
+            )
+        except (OSError, ValueError) as exc:
+            raise InputError(f"cannot load the model in '{source.name}': {str(exc).splitlines()[0]}") from None
+    return _EncoderOutputs(model).to(DTYPES[dtype]).eval()
+
+
+@dataclass(frozen=True)
+class ExampleInputs:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    token_type_ids: torch.Tensor
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.attention_mask, self.token_type_ids)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+
+def has_tokenizer(source: ModelSource) -> bool:
+    return source.path is not None and any(
+        (source.path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")
+    )
+
+
+def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: str | None) -> ExampleInputs:
+    """Tokenized text when the model has a tokenizer, otherwise deterministic ids of batch x seq_len."""
+    if text is not None and not has_tokenizer(source):
+        raise InputError(f"--text needs a tokenizer, and '{source.name}' has none (presets never do)")
+    if has_tokenizer(source):
+        return _tokenized(source, batch, seq_len, text or DEFAULT_TEXT)
+    seq_len = seq_len or DEFAULT_SEQ_LEN
+    check_seq_len(source, seq_len)
+    vocab, segment_kinds = _vocab_sizes(source)
+    generator = torch.Generator().manual_seed(1234)
+    # Ids start above the special tokens so every row looks like ordinary text.
+    ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, seq_len), generator=generator)
+    segments = torch.zeros(batch, seq_len, dtype=torch.long)
+    if segment_kinds > 1:
+        segments[:, seq_len // 2 :] = 1
+    return ExampleInputs(ids, torch.ones(batch, seq_len, dtype=torch.long), segments)
+
+
+def check_seq_len(source: ModelSource, seq_len: int) -> None:
+    if seq_len <= 0:
+        raise InputError(f"--seq-len must be positive, got {seq_len}")
+    if seq_len > source.max_positions:
+        raise InputError(f"--seq-len {seq_len} is above the model's max_position_embeddings ({source.max_positions})")
+
+
+def _vocab_sizes(source: ModelSource) -> tuple[int, int]:
+    """(vocab_size, type_vocab_size): RoBERTa-style models have a single segment id."""
+    if source.preset is not None:
+        config = _preset_config(source.preset)
+        return config.vocab_size, config.type_vocab_size
+    config = json.loads((source.path / "config.json").read_text())
+    return int(config.get("vocab_size", 30522)), int(config.get("type_vocab_size", 2))
+
+
+def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) -> ExampleInputs:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Segment ids as in the TorchScript tutorial: 0 up to and including the first [SEP], then 1.
+    sep = tokenizer.sep_token_id
+    first_sep = ids.index(sep) if sep in ids else len(ids) - 1
+    segments = [0 if i <= first_sep else 1 for i in range(len(ids))]
+    length = seq_len or len(ids)
+    check_seq_len(source, length)
+    pad = tokenizer.pad_token_id or 0
+    ids, segments = ids[:length], segments[:length]
+    mask = [1] * len(ids) + [0] * (length - len(ids))
+    ids = ids + [pad] * (length - len(ids))
+    segments = segments + [0] * (length - len(segments))
+    rows = lambda values: torch.tensor([values] * batch, dtype=torch.long)  # noqa: E731
+    return ExampleInputs(rows(ids), rows(mask), rows(segments))

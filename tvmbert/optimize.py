@@ -1,0 +1,94 @@
+"""Stage 3: the named, ordered graph-pass pipeline over the converted Relax module."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Callable
+
+from . import artifacts
+from .artifacts import Artifact
+from .convert import convert, load_module, save_module
+from .errors import InputError
+from .job import Job
+
+
+def _passes() -> dict[str, Callable[[], list]]:
+    from tvm import relax
+
+    t = relax.transform
+    return {
+        # Weight-only computations (transposed weights, the position-embedding slice) move into
+        # main_transform_params, which the build runs once: folded like bound constants, while
+        # the weights stay in a separate file instead of inside the library.
+        "bind-params": lambda: [t.LiftTransformParams()],
+        "fold-constants": lambda: [t.FoldConstant()],
+        "cse": lambda: [t.EliminateCommonSubexpr()],
+        "dce": lambda: [t.DeadCodeElimination()],
+        "legalize": lambda: [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant()],
+        "fuse": lambda: [t.FuseOps(), t.FuseTIR()],
+    }
+
+
+PASS_NAMES = ("fold-constants", "cse", "bind-params", "dce", "legalize", "fuse")
+DEFAULT_PASSES = PASS_NAMES
+
+
+def check_pass_names(names, where: str = "options") -> None:
+    unknown = [name for name in names if name not in PASS_NAMES]
+    if unknown:
+        raise InputError(f"{where}: unknown pass {', '.join(repr(n) for n in unknown)} (known: {', '.join(PASS_NAMES)})")
+
+
+def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
+    check_pass_names(disable, "--disable")
+    passes = job.config.passes if job.config.passes is not None else DEFAULT_PASSES
+    return tuple(name for name in passes if name not in disable)
+
+
+def count_ops(module) -> dict[str, int]:
+    """Operator counts of main: Relax ops by name, fused kernels as tir:<kernel>."""
+    import tvm
+    from tvm import relax
+
+    counts: Counter = Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            name = expr.op.name
+            if name == "relax.call_tir":
+                name = "tir:" + re.sub(r"\d+$", "", expr.args[0].name_hint)
+            counts[name.removeprefix("relax.")] += 1
+
+    relax.analysis.post_order_visit(module["main"].body, visit)
+    return dict(sorted(counts.items()))
+
+
+def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Artifact:
+    converted = job.upstream("convert", convert)
+    names = pipeline(job, disable)
+    fp = artifacts.fingerprint(stage="optimize", convert=converted.fingerprint, passes=names)
+    path = job.stage_dir("optimize")
+    if not force and (hit := artifacts.cached("optimize", path, fp)):
+        job.say(f"optimize: cached ({path})")
+        return hit
+    job.say(f"optimize: {' -> '.join(names) or 'no passes'}")
+    import tvm
+
+    module = load_module(converted.path)
+    registry = _passes()
+    ops_before = count_ops(module)
+    if job.config.dtype not in ("float32", "float16"):
+        # TVM legalizes layer_norm in float32/float16 only (FoldConstant legalizes too, to try):
+        # in other dtypes it becomes mean/variance/sqrt before any pass sees it.
+        from tvm import relax
+
+        module = relax.transform.DecomposeOpsForTraining()(module)
+    per_pass = []
+    for name in names:
+        module = tvm.transform.Sequential(registry[name]())(module)
+        per_pass.append({"pass": name, "ops": count_ops(module)})
+    meta = {"passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
+    with artifacts.writing("optimize", path, fp, meta) as tmp:
+        save_module(module, tmp)
+    return Artifact("optimize", path, fp, {"fingerprint": fp, **meta}, cached=False)

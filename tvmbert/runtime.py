@@ -1,0 +1,38 @@
+"""A built model, loaded: the library, its ready-made weights on the device, and a call."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .artifacts import Artifact
+from .build import LIBRARY_FILE
+from .convert import PARAMS_FILE, load_params
+
+
+class CompiledModel:
+    def __init__(self, built: Artifact, device):
+        import tvm
+        from tvm import relax
+
+        self.device = device
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(built.file(LIBRARY_FILE))), device)
+        self.main = self.vm["main"]
+        self.weights = [tvm.runtime.tensor(w, device) for w in load_params(built.file(PARAMS_FILE)).values()]
+
+    def to_device(self, arrays) -> list:
+        import tvm
+
+        return [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
+
+    def run_on_device(self, device_inputs: list):
+        """The timed call: inputs already on the device, outputs left there."""
+        return self.main(*device_inputs, *self.weights)
+
+    def __call__(self, arrays) -> list[np.ndarray]:
+        outputs = self.run_on_device(self.to_device(arrays))
+        if hasattr(outputs, "numpy"):  # a single output comes back bare, not in a tuple
+            outputs = [outputs]
+        return [out.numpy() for out in outputs]
+
+    def sync(self) -> None:
+        self.device.sync()

@@ -1,0 +1,129 @@
+"""Friendly target names in, TVM 0.27 JSON targets out; the key that names a tuning database."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .errors import InputError
+
+DEFAULT_CUDA_ARCH = "sm_90"
+DEFAULT_ROCM_MCPU = "gfx906"
+KINDS = ("llvm", "cuda", "rocm")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A target resolved once: its TVM description, its database key, and where it runs."""
+
+    text: str
+    config: dict  # the TVM JSON target
+    key: str  # e.g. llvm-sapphirerapids, cuda-sm_90, rocm-gfx906
+
+    @property
+    def kind(self) -> str:
+        return self.config["kind"]
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind in ("cuda", "rocm")
+
+    def tvm_target(self):
+        import tvm
+
+        if self.is_gpu:
+            # Host code stays generic x86-64: the GPU machine's CPU is not this one.
+            return tvm.target.Target(self.config, host={"kind": "llvm"})
+        return tvm.target.Target(self.config)
+
+    def device(self):
+        import tvm
+
+        return {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[self.kind](0)
+
+    def device_present(self) -> bool:
+        return self.kind == "llvm" or bool(self.device().exist)
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@lru_cache(maxsize=1)
+def host_mcpu() -> str:
+    """A CPU name LLVM accepts for this host (the wheel's LLVM refuses mcpu=native)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    # Virtual machines often hide the CPU model, and LLVM then guesses an older core; the
+    # feature flags are the truth: AMX + AVX512-FP16 is Sapphire Rapids or later.
+    if {"amx_tile", "avx512_fp16"} <= flags:
+        return "sapphirerapids"
+    import tvm
+
+    detected = str(tvm.target.codegen.llvm_get_system_cpu())
+    return detected if detected and detected != "generic" else "x86-64"
+
+
+def _legacy_options(text: str) -> tuple[str, dict]:
+    """Parses 'cuda -arch=sm_90' style strings, which TVM 0.27 itself no longer accepts."""
+    parts = shlex.split(text)
+    options = {}
+    for part in parts[1:]:
+        if not part.startswith("-") or "=" not in part:
+            raise InputError(f"target '{text}': cannot read option '{part}' (expected -name=value)")
+        name, value = part.lstrip("-").split("=", 1)
+        options[name] = int(value) if value.isdigit() else value
+    return parts[0], options
+
+
+def resolve(text: str) -> TargetSpec:
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"target JSON is malformed: {exc}") from None
+        if not isinstance(config, dict) or config.get("kind") not in KINDS:
+            raise InputError(f"target JSON needs \"kind\" one of {', '.join(KINDS)}")
+        kind, options = config.pop("kind"), config
+    else:
+        kind, options = _legacy_options(text) if text else ("", {})
+    if kind not in KINDS:
+        raise InputError(f"unknown target '{text}': use one of {', '.join(KINDS)}, e.g. 'cuda -arch=sm_90', or a JSON dict")
+    if kind == "llvm":
+        options.setdefault("mcpu", host_mcpu())
+        options.setdefault("num-cores", cpu_count())
+        detail = options["mcpu"]
+    elif kind == "cuda":
+        options.setdefault("arch", _local_cuda_arch() or DEFAULT_CUDA_ARCH)
+        detail = options["arch"]
+    else:
+        options.setdefault("mcpu", DEFAULT_ROCM_MCPU)
+        detail = options["mcpu"]
+    config = {"kind": kind, **options}
+    try:
+        import tvm
+
+        tvm.target.Target(config)
+    except Exception as exc:  # TVM raises several types for a bad attribute
+        raise InputError(f"target '{text}' is not valid for TVM: {str(exc).splitlines()[-1]}") from None
+    return TargetSpec(text=text, config=config, key=f"{kind}-{detail}")
+
+
+def _local_cuda_arch() -> str | None:
+    import tvm
+
+    device = tvm.cuda(0)
+    if not device.exist:
+        return None
+    return "sm_" + device.compute_version.replace(".", "")

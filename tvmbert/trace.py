@@ -1,0 +1,61 @@
+"""Stage 1: torch.export of the model in eval mode with the example inputs."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import artifacts, models
+from .artifacts import Artifact
+from .errors import StageFailed
+from .job import Job
+
+PROGRAM_FILE = "program.pt2"
+
+
+def versions() -> dict:
+    import transformers
+    import tvm
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "tvm": tvm.__version__, "python": platform.python_version()}
+
+
+def trace(job: Job, force: bool = False) -> Artifact:
+    batch, seq_len = job.inputs.shape
+    meta = {
+        "model": job.source.name,
+        "model_key": job.source.key,
+        "config_hash": job.source.fingerprint,
+        "seed": job.config.seed,
+        "dtype": job.config.dtype,
+        "inputs": {name: {"shape": [batch, seq_len], "dtype": "int64"} for name in models.INPUT_NAMES},
+        "versions": versions(),
+    }
+    fp = artifacts.fingerprint(stage="trace", model=job.source.fingerprint, seed=job.config.seed, dtype=job.config.dtype,
+                               inputs=[t.tolist() for t in job.inputs.as_tuple()], versions=meta["versions"])
+    path = job.stage_dir("trace")
+    if not force and (hit := artifacts.cached("trace", path, fp)):
+        job.say(f"trace: cached ({path})")
+        return hit
+    job.say(f"trace: exporting {job.source.name} ({batch} x {seq_len}, {job.config.dtype}) with torch.export")
+    model = models.load(job.source, job.config.dtype, job.config.seed)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(model, job.inputs.as_tuple())
+    except Exception as exc:
+        raise StageFailed(f"torch.export failed for {job.source.name}: {str(exc).splitlines()[0]}") from exc
+    meta["outputs"] = [
+        {"name": name, "shape": list(spec.shape), "dtype": str(spec.dtype).replace("torch.", "")}
+        for name, spec in zip(("last_hidden_state", "pooler_output"), _output_specs(program))
+    ]
+    with artifacts.writing("trace", path, fp, meta) as tmp:
+        torch.export.save(program, tmp / PROGRAM_FILE)
+        artifacts.write_json(tmp / "inputs.json", {n: t.tolist() for n, t in zip(models.INPUT_NAMES, job.inputs.as_tuple())})
+    return artifacts.Artifact("trace", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def _output_specs(program):
+    nodes = {node.name: node for node in program.graph.nodes}
+    for spec in program.graph_signature.output_specs:
+        yield nodes[spec.arg.name].meta["val"]
