@@ -7,8 +7,8 @@ call by call so that machine drift hits all of them alike; medians and percentil
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from .build import build
 from .errors import ToolchainError
 from .job import Job
 from .runtime import CompiledModel
-from .targets import cpu_count
+from .targets import HOST_CPUS, cpu_count
 from .verify import DEFAULT_TOLERANCE
 
 MAX_RUNS_FACTOR = 50  # a safety stop: never more than repeat x this many runs per engine
@@ -37,7 +37,8 @@ def set_threads(threads: int) -> None:
     import tvm
 
     torch.set_num_threads(threads)
-    tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: no core pinning, like PyTorch
+    # -3: the threads share every core, unpinned like PyTorch's (mode 1 would pin this process).
+    tvm.get_global_func("runtime.config_threadpool")(-3, threads, [str(cpu) for cpu in HOST_CPUS])
 
 
 def _tvm_engine(job: Job) -> Engine:

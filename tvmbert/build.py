@@ -58,11 +58,28 @@ def build(job: Job, force: bool = False) -> Artifact:
         "untuned": untuned,
         "build_seconds": round(time.perf_counter() - started, 2),
         "outputs": optimized.meta.get("outputs") or [],
+        "device_modules": device_modules(executable.mod),
     }
     with artifacts.writing("build", path, fp, meta) as tmp:
         executable.export_library(str(tmp / LIBRARY_FILE))
         save_params(tmp / PARAMS_FILE, params)
     return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def device_modules(module) -> list[dict]:
+    """What device code the library carries: a CUDA or HIP module per GPU build, with its code size."""
+    found = []
+    for imported in module.imports:
+        if imported.kind not in ("llvm", "relax.VMExecutable"):
+            assembly = imported.inspect_source("asm") if imported.kind == "hip" else ""
+            found.append({
+                "kind": imported.kind,
+                "source_bytes": len(imported.inspect_source("")),
+                "assembly_bytes": len(assembly),
+                "isa": next((line.split('"')[1] for line in assembly.splitlines() if ".amdgcn_target" in line), None),
+            })
+        found.extend(device_modules(imported))
+    return found
 
 
 def _default_gpu_schedules():

@@ -24,7 +24,6 @@ def convert(job: Job, force: bool = False) -> Artifact:
         return hit
     job.say("convert: torch.export program -> Relax IR")
     import torch
-    import tvm
     from tvm import relax
     from tvm.relax.frontend.torch import from_exported_program
 

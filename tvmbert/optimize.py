@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 from . import artifacts
 from .artifacts import Artifact
@@ -88,7 +88,7 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
     for name in names:
         module = tvm.transform.Sequential(registry[name]())(module)
         per_pass.append({"pass": name, "ops": count_ops(module)})
-    meta = {"passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
+    meta = {"outputs": converted.meta.get("outputs", []), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
     with artifacts.writing("optimize", path, fp, meta) as tmp:
         save_module(module, tmp)
     return Artifact("optimize", path, fp, {"fingerprint": fp, **meta}, cached=False)

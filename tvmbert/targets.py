@@ -48,8 +48,14 @@ class TargetSpec:
         return self.kind == "llvm" or bool(self.device().exist)
 
 
+# Read once, before any thread pool could pin this process to fewer cores.
+HOST_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+# TVM's runtime otherwise takes half the cores, assuming hyperthreads; we want every core.
+os.environ.setdefault("TVM_NUM_THREADS", str(len(HOST_CPUS)))
+
+
 def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(HOST_CPUS)
 
 
 @lru_cache(maxsize=1)

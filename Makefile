@@ -1,0 +1,39 @@
+# Every target works on a fresh machine: `install` creates the virtual environment first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= bert-tiny
+TARGET ?= llvm
+ARGS ?=
+
+.PHONY: install demo test test-fast lint trace convert optimize tune build verify bench run clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: install
+	$(BIN)/tvmbert run configs/demo.yaml
+
+test: install
+	$(BIN)/pytest -q
+
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check tvmbert tests
+
+# Stage targets for CI pipelines, e.g. `make bench MODEL=bert-base TARGET=llvm ARGS=--json`.
+trace convert optimize tune build verify bench: install
+	$(BIN)/tvmbert $@ $(MODEL) --target '$(TARGET)' $(ARGS)
+
+run: install
+	$(BIN)/tvmbert run $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf build

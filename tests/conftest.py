@@ -1,0 +1,45 @@
+"""Shared fixtures: the real CLI, in-process, against a per-session work directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tvmbert.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def json(self):
+        return json.loads(self.stdout)
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture
+def tvmbert(capsys, workdir):
+    """Runs `tvmbert ARGS...` in-process with the session's work directory."""
+
+    def run(*args: str, workdir_arg: bool = True) -> Outcome:
+        argv = list(args)
+        if workdir_arg and "--workdir" not in argv:
+            argv += ["--workdir", str(workdir)]
+        capsys.readouterr()
+        code = main(argv)
+        captured = capsys.readouterr()
+        return Outcome(code, captured.out, captured.err)
+
+    return run

@@ -1,0 +1,103 @@
+"""bert-tiny through every stage, for real: export, import, passes, TVM build, numerics, timing."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import REPO
+
+
+def test_run_config_goes_through_every_stage_and_then_reuses_artifacts(tvmbert, tmp_path):
+    first = tvmbert("run", str(REPO / "configs" / "bert-tiny.yaml"), "--json", "--log-dir", str(tmp_path / "logs"))
+    assert first.code == 0, first.stderr
+    result = first.json
+    assert list(result) == ["trace", "convert", "optimize", "tune", "build", "verify", "bench"]
+    assert result["verify"]["passed"] and result["verify"]["max_abs_diff"] <= 1e-5
+    assert result["build"]["tasks_total"] > 0
+    assert result["bench"]["engines"]["tvm"]["median_ms"] > 0
+    assert result["bench"]["engines"]["torch-eager"]["median_ms"] > 0
+
+    again = tvmbert("run", str(REPO / "configs" / "bert-tiny.yaml"), "--json", "--log-dir", str(tmp_path / "logs"))
+    assert again.code == 0, again.stderr
+    for stage in ("trace", "convert", "optimize", "build"):
+        assert again.json[stage]["cached"] is True, (stage, again.stderr[-3000:])
+        assert f"{stage}: cached" in again.stderr
+
+
+def test_force_redoes_a_cached_stage(tvmbert):
+    assert tvmbert("convert", "bert-tiny").code == 0
+    forced = tvmbert("convert", "bert-tiny", "--force", "--json")
+    assert forced.code == 0 and forced.json["cached"] is False
+
+
+def test_trace_writes_program_and_metadata(tvmbert, workdir):
+    outcome = tvmbert("trace", "bert-tiny", "--batch", "2", "--seq-len", "9", "--json")
+    assert outcome.code == 0, outcome.stderr
+    folder = workdir / "bert-tiny" / "b2-s9-float32" / "trace"
+    meta = json.loads((folder / "stage.json").read_text())
+    assert meta["inputs"]["input_ids"]["shape"] == [2, 9]
+    assert meta["config_hash"] and meta["versions"]["torch"].startswith("2.13")
+    assert [o["shape"] for o in meta["outputs"]] == [[2, 9, 128], [2, 128]]
+    assert (folder / "program.pt2").stat().st_size > 0
+
+
+def test_convert_keeps_weights_apart_and_writes_readable_ir(tvmbert, workdir):
+    assert tvmbert("convert", "bert-tiny").code == 0
+    folder = workdir / "bert-tiny" / "b1-s14-float32" / "convert"
+    assert "def main(input_ids" in (folder / "module.py").read_text()
+    assert (folder / "params.npz").stat().st_size > 4 * 30522 * 128  # the word embeddings at least
+
+
+def test_optimize_reports_op_counts(tvmbert):
+    outcome = tvmbert("optimize", "bert-tiny", "--json")
+    assert outcome.code == 0, outcome.stderr
+    result = outcome.json
+    assert result["ops_before"]["matmul"] == 17
+    assert not any(op == "matmul" for op in result["ops_after"])  # legalized and fused into kernels
+    assert any(op.startswith("tir:fused_matmul") for op in result["ops_after"])
+    assert [p["pass"] for p in result["per_pass"]] == result["passes"]
+
+
+def test_optimize_disable_leaves_a_pass_out(tvmbert):
+    outcome = tvmbert("optimize", "bert-tiny", "--disable", "fuse", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert "fuse" not in outcome.json["passes"]
+    assert not any(op.startswith("tir:fused_") for op in outcome.json["ops_after"])
+
+
+def test_verify_float32(tvmbert):
+    outcome = tvmbert("verify", "bert-tiny", "--json")
+    assert outcome.code == 0, outcome.stderr
+    result = outcome.json
+    assert result["passed"] and result["max_abs_diff"] <= 1e-5
+    assert {o["name"] for o in result["outputs"]} == {"last_hidden_state", "pooler_output"}
+
+
+def test_verify_float64_is_exact_to_rounding(tvmbert):
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", "float64", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-10
+
+
+def test_verify_fails_with_exit_1_when_over_tolerance(tvmbert):
+    outcome = tvmbert("verify", "bert-tiny", "--tolerance", "1e-12", "--json")
+    assert outcome.code == 1
+    assert outcome.json["passed"] is False
+    assert "verify failed" in outcome.stderr
+
+
+def test_bench_reports_both_engines(tvmbert):
+    outcome = tvmbert("bench", "bert-tiny", "--repeat", "3", "--min-time", "0", "--warmup", "1", "--json")
+    assert outcome.code == 0, outcome.stderr
+    engines = outcome.json["engines"]
+    for name in ("tvm", "torch-eager"):
+        assert engines[name]["runs"] >= 3
+        assert engines[name]["p90_ms"] >= engines[name]["median_ms"] > 0
+    assert outcome.json["speedup"] > 0
+
+
+def test_python_api(workdir):
+    from tvmbert import Job, JobConfig, optimize
+
+    artifact = optimize(Job(JobConfig(model="bert-tiny", workdir=str(workdir))))
+    assert artifact.meta["ops_before"]["matmul"] == 17

@@ -1,0 +1,46 @@
+"""Targets: friendly names in, TVM JSON out; GPU builds cross-compile with device code inside."""
+
+from __future__ import annotations
+
+import pytest
+
+from tvmbert import targets
+from tvmbert.errors import InputError
+
+
+def test_llvm_gets_a_valid_host_cpu():
+    spec = targets.resolve("llvm")
+    assert spec.config["mcpu"] != "native"
+    assert spec.key == f"llvm-{spec.config['mcpu']}"
+    spec.tvm_target()
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("cuda -arch=sm_80", "cuda-sm_80"),
+        ("rocm", "rocm-gfx906"),
+        ("rocm -mcpu=gfx90a", "rocm-gfx90a"),
+        ('{"kind": "rocm", "mcpu": "gfx942"}', "rocm-gfx942"),
+        ('{"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2}', "llvm-skylake-avx512"),
+    ],
+)
+def test_target_keys(text, key):
+    assert targets.resolve(text).key == key
+
+
+@pytest.mark.parametrize("text", ["vulkan", "cuda arch", '{"kind": "tpu"}', "{not json"])
+def test_bad_targets(text):
+    with pytest.raises(InputError):
+        targets.resolve(text)
+
+
+@pytest.mark.parametrize("target, kind", [("cuda", "cuda"), ("rocm", "hip")])
+def test_gpu_cross_compile_carries_device_code(tvmbert, target, kind):
+    outcome = tvmbert("build", "bert-tiny", "--target", target, "--json")
+    assert outcome.code == 0, outcome.stderr
+    modules = outcome.json["device_modules"]
+    assert [m["kind"] for m in modules] == [kind]
+    assert modules[0]["source_bytes"] > 10_000
+    if kind == "hip":
+        assert modules[0]["isa"].endswith("gfx906") and modules[0]["assembly_bytes"] > 10_000
