@@ -5,6 +5,9 @@ The typed Python API: build a ``Job`` from a ``JobConfig`` and pass it to a stag
     from tvmbert import Job, JobConfig, build, verify
     job = Job(JobConfig(model="bert-tiny", target="llvm"))
     print(verify(job).max_abs_diff)
+
+Modules import torch and TVM inside the functions that need them, so `tvmbert --help` and
+argument errors answer at once.
 """
 
 from .bench import bench

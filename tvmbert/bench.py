@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from . import models
 from .build import build
@@ -34,6 +33,7 @@ class Engine:
 
 def set_threads(threads: int) -> None:
     """The same thread count for every engine."""
+    import torch
     import tvm
 
     torch.set_num_threads(threads)
@@ -54,6 +54,8 @@ def _tvm_engine(job: Job) -> Engine:
 
 
 def _torch_engine(job: Job, name: str, attention: str) -> Engine:
+    import torch
+
     model = models.load(job.source, job.config.dtype, job.config.seed, attn_implementation=attention)
     inputs = job.inputs.as_tuple()
 

@@ -30,13 +30,14 @@ def build(job: Job, force: bool = False) -> Artifact:
     target = job.target.tvm_target()
     optimized_module = load_module(optimized.path)
     module = tuning_db.inference_module(optimized_module)
-    database = tuning_db.open_database(log_dir)
+    with tuning_db.locked(log_dir, exclusive=False, say=job.say):
+        database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))
     tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
-    untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t, target)]
+    untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t)]
     job.say(f"build: {job.target.key}, {len(tasks) - len(untuned)}/{len(tasks)} tasks tuned ({log_dir})")
     started = time.perf_counter()
     with target:
-        if database is not None:
+        if len(database):
             with database:
                 module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
         if job.target.is_gpu:

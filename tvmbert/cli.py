@@ -125,14 +125,15 @@ def optimize(as_json, force, passes, disable, **params):
 @click.option("--trials-per-task", type=int, help="At most this many trials per task.")
 @click.option("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker to measure on.")
 @click.option("--rpc-key", help="Device key registered with the tracker.")
+@click.option("--retune", is_flag=True, help="Spend trials on tasks that are already tuned too.")
 @_quiet_warnings
-def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, **params):
+def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, **params):
     """Tune the model's kernels with MetaSchedule into the target's database."""
     from .tune import tune as run
 
     overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
-    result = run(_job(params, overrides)).to_json()
-    _emit(as_json, result, _print_mapping("tune"))
+    result = run(_job(params, overrides), retune=retune).to_json()
+    _emit(as_json, result, _print_tune)
 
 
 @cli.command()
@@ -210,14 +211,13 @@ def _print_artifact(stage):
     return show
 
 
-def _print_mapping(title):
-    def show(result):
-        table = Table(title=title, show_header=False)
-        for key, value in result.items():
-            table.add_row(key, ", ".join(map(str, value)) if isinstance(value, list) else str(value))
-        out.print(table)
-
-    return show
+def _print_tune(result):
+    out.print(f"tune: {result['new_trials']} new trials in {result['seconds']} s"
+              + (f" ({result['trials_per_minute']} trials/min)" if result["trials_per_minute"] else "")
+              + f" into {result['database']}")
+    tuned = [t for t in result["tasks"] if t["best_us"] is not None]
+    out.print(f"tuned tasks: {len(tuned)}/{len(result['tasks'])}, {len(result['skipped_trivial'])} trivial tasks skipped"
+              + (f", est. end-to-end {result['estimated_e2e_ms']} ms" if result["estimated_e2e_ms"] else ""))
 
 
 def _print_ops(result):
@@ -267,7 +267,7 @@ def _print_bench(result):
 
 def _print_run(results):
     printers = {"verify": _print_verify, "bench": _print_bench, "build": _print_build, "optimize": _print_ops,
-                "tune": _print_mapping("tune")}
+                "tune": _print_tune}
     for stage, result in results.items():
         printers.get(stage, _print_artifact(stage))(result)
 

@@ -36,7 +36,8 @@ class Job:
 
     @property
     def shape_key(self) -> str:
-        batch, seq_len = self.inputs.shape
+        known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
+        batch, seq_len = known or self.inputs.shape
         return f"b{batch}-s{seq_len}-{self.config.dtype}"
 
     def stage_dir(self, stage: str) -> Path:

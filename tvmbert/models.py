@@ -12,12 +12,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a user who sets it to 0 still never reaches a hub: we pass local_files_only
+from .errors import InputError
 
-import torch  # noqa: E402
+if TYPE_CHECKING:
+    import torch
 
-from .errors import InputError  # noqa: E402
+# A user who sets it to 0 still never reaches a hub: every load passes local_files_only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # The HuggingFace TorchScript tutorial's example, the seed post's input (1 x 14 tokens).
 DEFAULT_TEXT = "[CLS] Who was Jim Henson ? [SEP] Jim Henson was a puppeteer [SEP]"
@@ -31,13 +34,16 @@ PRESETS: dict[str, dict] = {
     "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
 }
 
+# What BertConfig's defaults (bert-base-uncased) give every preset; read without importing
+# transformers, which imports torch.
+PRESET_MAX_POSITIONS, PRESET_VOCAB_SIZE, PRESET_SEGMENTS = 512, 30522, 2
+
 # model_type values whose HF model takes (input_ids, attention_mask, token_type_ids) and returns
 # last_hidden_state (and pooler_output where the architecture has a pooler).
 BERT_LIKE_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -52,18 +58,6 @@ class ModelSource:
     max_positions: int
 
 
-class _EncoderOutputs(torch.nn.Module):
-    """Fixes the signature to (input_ids, attention_mask, token_type_ids) -> tuple of tensors."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, token_type_ids):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-        return tuple(out[name] for name in ("last_hidden_state", "pooler_output") if out.get(name) is not None)
-
-
 def _hash(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
@@ -71,14 +65,13 @@ def _hash(*parts: str) -> str:
 def resolve(name: str, seed: int = 0) -> ModelSource:
     """Turns a preset name or a directory path into a ModelSource, or says clearly why not."""
     if name in PRESETS:
-        config = _preset_config(name)
         return ModelSource(
             name=name,
             key=name if seed == 0 else f"{name}-seed{seed}",
             preset=name,
             path=None,
-            fingerprint=_hash(config.to_json_string(), f"seed={seed}"),
-            max_positions=config.max_position_embeddings,
+            fingerprint=_hash(json.dumps(PRESETS[name], sort_keys=True), f"seed={seed}"),
+            max_positions=PRESET_MAX_POSITIONS,
         )
     path = Path(name).expanduser()
     looks_like_path = os.sep in name or name.startswith(".") or path.exists()
@@ -124,8 +117,21 @@ def _preset_config(name: str):
     return BertConfig(**PRESETS[name], attn_implementation="eager")
 
 
-def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implementation: str = "eager"):
     """The PyTorch module in eval mode, with the fixed (ids, mask, segments) -> tuple signature."""
+    import torch
+
+    class EncoderOutputs(torch.nn.Module):
+        """Fixes the signature to (input_ids, attention_mask, token_type_ids) -> tuple of tensors."""
+
+        def __init__(self, model: torch.nn.Module):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            return tuple(out[name] for name in ("last_hidden_state", "pooler_output") if out.get(name) is not None)
+
     if source.preset is not None:
         from transformers import BertModel
 
@@ -142,7 +148,7 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
             )
         except (OSError, ValueError) as exc:
             raise InputError(f"cannot load the model in '{source.name}': {str(exc).splitlines()[0]}") from None
-    return _EncoderOutputs(model).to(DTYPES[dtype]).eval()
+    return EncoderOutputs(model).to(getattr(torch, dtype)).eval()
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ def has_tokenizer(source: ModelSource) -> bool:
 
 def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: str | None) -> ExampleInputs:
     """Tokenized text when the model has a tokenizer, otherwise deterministic ids of batch x seq_len."""
+    import torch
+
     if text is not None and not has_tokenizer(source):
         raise InputError(f"--text needs a tokenizer, and '{source.name}' has none (presets never do)")
     if has_tokenizer(source):
@@ -183,6 +191,13 @@ def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: s
     return ExampleInputs(ids, torch.ones(batch, seq_len, dtype=torch.long), segments)
 
 
+def input_shape(source: ModelSource, batch: int, seq_len: int | None, text: str | None) -> tuple[int, int] | None:
+    """The example inputs' shape when it is known without tokenizing (and importing torch)."""
+    if seq_len is not None or not has_tokenizer(source):
+        return batch, seq_len or DEFAULT_SEQ_LEN
+    return None
+
+
 def check_seq_len(source: ModelSource, seq_len: int) -> None:
     if seq_len <= 0:
         raise InputError(f"--seq-len must be positive, got {seq_len}")
@@ -193,13 +208,13 @@ def check_seq_len(source: ModelSource, seq_len: int) -> None:
 def _vocab_sizes(source: ModelSource) -> tuple[int, int]:
     """(vocab_size, type_vocab_size): RoBERTa-style models have a single segment id."""
     if source.preset is not None:
-        config = _preset_config(source.preset)
-        return config.vocab_size, config.type_vocab_size
+        return PRESET_VOCAB_SIZE, PRESET_SEGMENTS
     config = json.loads((source.path / "config.json").read_text())
     return int(config.get("vocab_size", 30522)), int(config.get("type_vocab_size", 2))
 
 
 def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) -> ExampleInputs:
+    import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)

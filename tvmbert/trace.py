@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import platform
 
-import torch
-
 from . import artifacts, models
 from .artifacts import Artifact
 from .errors import StageFailed
@@ -15,6 +13,7 @@ PROGRAM_FILE = "program.pt2"
 
 
 def versions() -> dict:
+    import torch
     import transformers
     import tvm
 
@@ -22,6 +21,8 @@ def versions() -> dict:
 
 
 def trace(job: Job, force: bool = False) -> Artifact:
+    import torch
+
     batch, seq_len = job.inputs.shape
     meta = {
         "model": job.source.name,

@@ -1,17 +1,48 @@
-"""Stage 4: MetaSchedule tuning of the optimized module's tasks into the target's database."""
+"""Stage 4: MetaSchedule tuning of the optimized module's tasks into the target's database.
+
+Tasks are tuned one after another, the costliest first, each with its share of the budget;
+every measured record is appended to the database at once, so an interrupted run loses at most
+the batch in flight. A task whose budget was spent is marked done in ``tasks_done.json``: it is
+not tuned again (for this model or any other that contains it) unless ``--retune`` asks. A task
+that has records but is not marked done was interrupted, and resumes with what is left.
+"""
 
 from __future__ import annotations
 
-import math
+import json
+import logging
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from . import tuning_db
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from . import measure, tuning_db
 from .convert import load_module
 from .errors import InputError
 from .job import Job
 from .optimize import optimize
 from .targets import cpu_count
+
+DONE_FILE = "tasks_done.json"  # one JSON object per line: {"workload": structural hash, "task", "trials"}
+TRIALS_PER_BATCH = 16  # candidates built and measured together; what an interruption can lose
+MIN_TRIALS_PER_TASK = 8  # below this a task's search has hardly started (unless --trials-per-task is lower)
+
+
+@dataclass
+class TaskProgress:
+    name: str
+    flops: float
+    weight: int
+    budget: int  # trials this task gets in the plan
+    existing: int  # records already in the database
+    status: str  # "trivial", "done", "todo", "no budget"
+    new_trials: int = 0
+    best_us: float | None = None
 
 
 @dataclass
@@ -19,58 +50,200 @@ class TuneResult:
     database: str
     target: str
     tasks_total: int
-    trivial: list[str]
-    already_tuned: list[str]
-    tuned_now: list[str]
     new_trials: int
     seconds: float
-    best_us: dict[str, float] = field(default_factory=dict)
+    trials_per_minute: float | None
+    estimated_e2e_ms: float | None  # sum of the best kernel times x calls, tuned tasks only
+    tasks: list[TaskProgress] = field(default_factory=list)
+    skipped_trivial: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def tune(job: Job) -> TuneResult:
+def _workload_key(task: tuning_db.Task) -> str:
+    import tvm_ffi
+
+    return f"{int(tvm_ffi.structural_hash(task.module)):x}"
+
+
+def _done_keys(log_dir: Path) -> set[str]:
+    done = set()
+    path = log_dir / DONE_FILE
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                done.add(json.loads(line)["workload"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line only means that task is resumed instead of skipped
+    return done
+
+
+def _mark_done(log_dir: Path, task: tuning_db.Task, trials: int) -> None:
+    with open(log_dir / DONE_FILE, "a") as handle:
+        handle.write(json.dumps({"workload": _workload_key(task), "task": task.name, "trials": trials}) + "\n")
+
+
+def plan(tasks: list[tuning_db.Task], trials: int, per_task: int | None) -> dict[str, int]:
+    """Trials per task, in proportion to its cost (flops x calls), capped by ``per_task``.
+
+    Computed over every non-trivial task, tuned or not, so that a resumed run plans the same
+    shares as the run it continues.
+    """
+    costly = sorted((t for t in tasks if not t.trivial), key=lambda t: -max(t.flops, 1.0) * t.weight)
+    cap = per_task or trials
+    floor = min(MIN_TRIALS_PER_TASK, cap) or 1
+    funded = costly[: min(len(costly), trials // floor)]
+    total_cost = sum(max(t.flops, 1.0) * t.weight for t in funded) or 1.0
+    spare = trials - floor * len(funded)
+    budgets = {t.name: 0 for t in costly}
+    for task in funded:
+        share = int(spare * max(task.flops, 1.0) * task.weight / total_cost)
+        budgets[task.name] = min(cap, floor + share)
+    return budgets
+
+
+def _check_writable(log_dir: Path) -> None:
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=log_dir, prefix=".probe-")
+        probe.close()
+    except OSError as exc:
+        raise InputError(f"tuning log directory {log_dir} is not writable: {exc.strerror or exc}") from None
+
+
+def tune(job: Job, retune: bool = False) -> TuneResult:
     options = job.config.tune
-    optimized = job.upstream("optimize", optimize)
     log_dir = job.log_dir()
-    if job.target.is_gpu and not job.target.device_present() and options.rpc_tracker is None:
-        raise InputError(f"tuning measures candidates on the device: this machine has no {job.target.kind} GPU; "
-                         "pass --rpc-tracker HOST:PORT --rpc-key KEY of a tracker that has one")
+    servers = 0
+    if options.rpc_tracker:
+        servers = measure.check_tracker(options.rpc_tracker, options.rpc_key)
+    elif job.target.is_gpu and not job.target.device_present():
+        raise InputError(f"tuning measures candidates on the device, and this machine has no {job.target.kind} GPU: "
+                         "pass --rpc-tracker HOST:PORT --rpc-key KEY of a tracker that serves one")
+    _check_writable(log_dir)
+    optimized = job.upstream("optimize", optimize)
     tasks = tuning_db.extract_tasks(load_module(optimized.path), job.target)
-    database = tuning_db.open_database(log_dir)
-    target = job.target.tvm_target()
-    trivial = [t.name for t in tasks if t.trivial]
-    already = [t.name for t in tasks if not t.trivial and tuning_db.is_tuned(database, t, target)]
-    todo = [t for t in tasks if not t.trivial and t.name not in already]
     started = time.perf_counter()
-    if todo and options.trials > 0:
-        per_task = options.trials_per_task or max(1, math.ceil(options.trials / len(todo)))
-        job.say(f"tune: {len(todo)} tasks, {options.trials} trials (at most {per_task} per task) into {log_dir}")
-        _run_metaschedule(todo, target, log_dir, options.trials, per_task)
-    else:
-        job.say(f"tune: nothing to tune ({len(already)} tasks already tuned, {len(trivial)} trivial)")
-    database = tuning_db.open_database(log_dir)
+    with tuning_db.locked(log_dir, exclusive=True, say=job.say):
+        database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))
+        budgets = plan(tasks, options.trials, options.trials_per_task)
+        done = _done_keys(log_dir)
+        progress = []
+        for task in tasks:
+            existing = len(tuning_db.records_for(database, task))
+            if task.trivial:
+                status = "trivial"
+            elif _workload_key(task) in done and not retune:
+                status = "done"
+            else:
+                status = "todo" if budgets.get(task.name, 0) > (0 if retune else existing) else ("done" if existing else "no budget")
+            progress.append(TaskProgress(task.name, task.flops, task.weight, budgets.get(task.name, 0), existing, status,
+                                         best_us=_best_us(database, task)))
+        todo = [(task, p) for task, p in zip(tasks, progress) if p.status == "todo"]
+        if todo:
+            _run(job, todo, database, log_dir, servers, retune, progress, started)
+        else:
+            unfunded = sum(p.status == "no budget" for p in progress)
+            job.say(f"tune: 0 new trials: {sum(p.status == 'done' for p in progress)} tasks already tuned in {log_dir}, "
+                    f"{sum(p.status == 'trivial' for p in progress)} trivial ones need none"
+                    + (f", {unfunded} get no trials from --trials {options.trials}" if unfunded else ""))
+    seconds = time.perf_counter() - started
+    new_trials = sum(p.new_trials for p in progress)
+    tuned = [p for p in progress if p.best_us is not None]
     return TuneResult(
         database=str(log_dir),
         target=job.target.key,
         tasks_total=len(tasks),
-        trivial=trivial,
-        already_tuned=already,
-        tuned_now=[t.name for t in todo if tuning_db.is_tuned(database, t, target)],
-        new_trials=0,
-        seconds=round(time.perf_counter() - started, 1),
+        new_trials=new_trials,
+        seconds=round(seconds, 1),
+        trials_per_minute=round(new_trials * 60 / seconds, 1) if new_trials else None,
+        estimated_e2e_ms=round(sum(p.best_us * p.weight for p in tuned) / 1000, 3) if tuned else None,
+        tasks=[p for p in progress if p.status != "trivial"],
+        skipped_trivial=[p.name for p in progress if p.status == "trivial"],
     )
 
 
-def _run_metaschedule(tasks, target, log_dir, trials: int, per_task: int) -> None:
+def _best_us(database, task) -> float | None:
+    best = tuning_db.best_seconds(database, task)
+    return round(best * 1e6, 2) if best is not None else None
+
+
+def _run(job: Job, todo, database, log_dir: Path, servers: int, retune: bool, progress, started: float) -> None:
     from tvm.s_tir import meta_schedule as ms
 
-    log_dir.mkdir(parents=True, exist_ok=True)
-    contexts = [
-        ms.TuneContext(mod=t.module, target=target, space_generator="post-order-apply", search_strategy="evolutionary",
-                       task_name=t.name, num_threads=cpu_count())
-        for t in tasks
-    ]
-    ms.tune_tasks(tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=str(log_dir),
-                  max_trials_global=trials, max_trials_per_task=per_task, num_trials_per_iter=16)
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+    target = job.target.tvm_target()
+    remote = job.config.tune.rpc_tracker is not None
+    builder = measure.make_builder(cpu=job.target.kind == "llvm", workers=cpu_count())
+    runner = measure.make_rpc_runner(job.config.tune.rpc_tracker, job.config.tune.rpc_key, servers) if remote \
+        else measure.make_local_runner()
+    planned = sum(p.budget - (0 if retune else p.existing) for _, p in todo)
+    where = f"RPC tracker {job.config.tune.rpc_tracker} ({servers} '{job.config.tune.rpc_key}' devices)" if remote else "this machine"
+    job.say(f"tune: {len(todo)} tasks, {planned} trials, measured on {where}, into {log_dir}")
+    scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
+    view = _ProgressView(progress, planned, started)
+    try:
+        with Live(view.table(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
+            for task, state in sorted(todo, key=lambda item: -max(item[0].flops, 1.0) * item[0].weight):
+                remaining = state.budget - (0 if retune else state.existing)
+                state.status = "tuning"
+                live.update(view.table())
+
+                def counted(results, state=state, task=task):
+                    state.new_trials += len(results)
+                    state.best_us = _best_us(database, task)
+                    live.update(view.table())
+
+                context = ms.TuneContext(mod=task.module, target=target, space_generator="post-order-apply",
+                                         search_strategy="evolutionary", task_name=task.name, num_threads=cpu_count())
+                ms.tune_tasks(
+                    tasks=[context], task_weights=[float(task.weight)], work_dir=str(scratch),
+                    max_trials_global=remaining, max_trials_per_task=remaining,
+                    num_trials_per_iter=min(TRIALS_PER_BATCH, remaining), builder=builder, runner=runner,
+                    database=database, cost_model="xgb",
+                    measure_callbacks=[*ms.MeasureCallback.create("default"), _progress_callback(counted)],
+                )
+                tuning_db_best = _best_us(database, task)
+                state.best_us, state.status = tuning_db_best, "done"
+                _mark_done(log_dir, task, state.existing + state.new_trials)
+                live.update(view.table())
+    finally:
+        builder.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _progress_callback(on_batch):
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+
+    @derived_object
+    class Progress(PyMeasureCallback):
+        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+            on_batch(runner_results)
+
+    return Progress()
+
+
+class _ProgressView:
+    def __init__(self, progress: list[TaskProgress], planned: int, started: float):
+        self.progress, self.planned, self.started = progress, planned, started
+
+    def table(self) -> Table:
+        rows = [p for p in self.progress if p.status != "trivial"]
+        trials = sum(p.new_trials for p in rows)
+        elapsed = time.perf_counter() - self.started
+        eta = (self.planned - trials) * elapsed / trials if trials else None
+        tuned = [p for p in rows if p.best_us is not None]
+        e2e = sum(p.best_us * p.weight for p in tuned) / 1000
+        done = sum(p.status == "done" for p in rows)
+        caption = (f"tasks {done}/{len(rows)} · trials {trials}/{self.planned} · elapsed {elapsed:,.0f} s"
+                   + (f" · ETA {eta:,.0f} s" if eta is not None else "")
+                   + (f" · est. end-to-end {e2e:.3f} ms over {len(tuned)} tuned tasks" if tuned else ""))
+        table = Table(title="MetaSchedule tuning", caption=caption)
+        for column in ("task", "MFLOP x calls", "trials", "best µs", "status"):
+            table.add_column(column, justify="left" if column in ("task", "status") else "right")
+        for p in rows:
+            table.add_row(p.name, f"{p.flops / 1e6:.2f} x {p.weight}", f"{p.existing + p.new_trials}/{p.budget}",
+                          f"{p.best_us:.1f}" if p.best_us is not None else "-", p.status)
+        return table

@@ -6,11 +6,17 @@ contains it, which is what makes tuning logs reusable across bert-base, bert-lar
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOADS_FILE = "database_workload.json"
 RECORDS_FILE = "database_tuning_record.json"
+LOCK_FILE = ".lock"
 
 
 @dataclass(frozen=True)
@@ -55,18 +61,171 @@ def state(log_dir: Path) -> list:
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in (log_dir / WORKLOADS_FILE, log_dir / RECORDS_FILE) if f.is_file()]
 
 
-def open_database(log_dir: Path):
-    """The target's database, or None when nothing was tuned for it yet."""
+@contextmanager
+def locked(log_dir: Path, exclusive: bool, say=None):
+    """Tuners hold the folder exclusively; readers share it. Waits, and says so, when taken.
+
+    A reader of a folder that does not exist or cannot be written to reads without a lock:
+    nobody can be tuning into it.
+    """
+    if exclusive:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        handle = open(log_dir / LOCK_FILE, "a+")
+    except OSError:
+        if exclusive:
+            raise
+        yield
+        return
+    with handle:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if say:
+                say(f"waiting for another tvmbert process that is tuning into {log_dir}")
+            fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lines(path: Path):
+    if not path.is_file():
+        return
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        yield from enumerate(handle, 1)
+
+
+def _database_class():
+    from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
 
-    if not (log_dir / WORKLOADS_FILE).is_file() or not (log_dir / RECORDS_FILE).is_file():
-        return None
-    return ms.database.JSONDatabase(
-        path_workload=str(log_dir / WORKLOADS_FILE), path_tuning_record=str(log_dir / RECORDS_FILE), allow_missing=False
-    )
+    @derived_object
+    class LogDatabase(ms.database.PyDatabase):
+        """MetaSchedule's JSON database format, read forgivingly and appended durably.
+
+        Stock JSONDatabase aborts on a garbage or truncated line (and crashes on an empty one);
+        here such a line is skipped with a warning naming file and line, the good records are
+        kept, and the files are only ever appended to, never rewritten, so nothing is lost.
+        """
+
+        def __init__(self, log_dir: Path, warn):
+            super().__init__()
+            self.log_dir = log_dir
+            self.memory = ms.database.MemoryDatabase(module_equality="structural")
+            self.line_of: dict[int, list] = {}  # structural hash -> [(workload module, line index)]
+            self.workload_lines = 0
+            self.problems: list[str] = []
+            self._load(warn)
+
+        def _load(self, warn):
+            workloads = []
+            for number, line in _lines(self.log_dir / WORKLOADS_FILE):
+                try:
+                    workload = ms.database.Workload.from_json(json.loads(line))
+                    self._remember(workload.mod, number - 1)
+                    workloads.append(self.memory.commit_workload(workload.mod))
+                except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
+                    workloads.append(None)
+                    self._problem(warn, WORKLOADS_FILE, number, exc)
+            self.workload_lines = len(workloads)
+            for number, line in _lines(self.log_dir / RECORDS_FILE):
+                try:
+                    index, record_json = json.loads(line)
+                    workload = workloads[index] if isinstance(index, int) and 0 <= index < len(workloads) else None
+                    if workload is None:
+                        raise ValueError(f"refers to workload line {index!r}, which is not readable")
+                    self.memory.commit_tuning_record(ms.database.TuningRecord.from_json(record_json, workload))
+                except Exception as exc:  # noqa: BLE001
+                    self._problem(warn, RECORDS_FILE, number, exc)
+
+        def _problem(self, warn, name, number, exc):
+            message = f"{self.log_dir / name}:{number}: skipped an unreadable line ({type(exc).__name__}: {str(exc)[:80]})"
+            self.problems.append(message)
+            warn(message)
+
+        def _remember(self, mod, index):
+            import tvm_ffi
+
+            self.line_of.setdefault(int(tvm_ffi.structural_hash(mod)), []).append((mod, index))
+
+        def _index(self, mod):
+            import tvm_ffi
+
+            for known, index in self.line_of.get(int(tvm_ffi.structural_hash(mod)), []):
+                if tvm_ffi.structural_equal(known, mod):
+                    return index
+            return None
+
+        def _append(self, name: str, text: str) -> None:
+            path = self.log_dir / name
+            with open(path, "ab+") as handle:
+                handle.seek(0, os.SEEK_END)
+                if handle.tell() > 0:
+                    handle.seek(-1, os.SEEK_END)
+                    if handle.read(1) != b"\n":  # a truncated last line stays a line of its own
+                        handle.write(b"\n")
+                handle.write(text.encode() + b"\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        def has_workload(self, mod) -> bool:
+            return self.memory.has_workload(mod)
+
+        def commit_workload(self, mod):
+            if self._index(mod) is None:
+                workload = self.memory.commit_workload(mod)
+                self._append(WORKLOADS_FILE, json.dumps(workload.as_json()))
+                self._remember(mod, self.workload_lines)
+                self.workload_lines += 1
+                return workload
+            return self.memory.commit_workload(mod)
+
+        def commit_tuning_record(self, record) -> None:
+            workload = self.commit_workload(record.workload.mod)
+            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record.as_json()]))
+            self.memory.commit_tuning_record(record)
+
+        def get_top_k(self, workload, top_k: int):
+            return self.memory.get_top_k(self.memory.commit_workload(workload.mod), top_k)
+
+        def get_all_tuning_records(self):
+            return self.memory.get_all_tuning_records()
+
+        def query_tuning_record(self, mod, target, workload_name=None):
+            return self.memory.query_tuning_record(mod, target, workload_name)
+
+        def query_schedule(self, mod, target, workload_name=None):
+            return self.memory.query_schedule(mod, target, workload_name)
+
+        def query_ir_module(self, mod, target, workload_name=None):
+            return self.memory.query_ir_module(mod, target, workload_name)
+
+        def __len__(self) -> int:
+            return len(self.memory)
+
+    return LogDatabase
 
 
-def is_tuned(database, task: Task, target) -> bool:
-    return database is not None and database.has_workload(task.module) and bool(
-        database.get_top_k(database.commit_workload(task.module), 1)
-    )
+def open_database(log_dir: Path, warn=None):
+    """The target's database (empty when nothing was tuned for it yet)."""
+    return _database_class()(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)))
+
+
+def records_for(database, task: Task) -> list:
+    """The measured records of a task's workload, best first; none when it was never tuned."""
+    if not database.has_workload(task.module):
+        return []
+    return list(database.get_top_k(database.memory.commit_workload(task.module), 1 << 30))
+
+
+def best_seconds(database, task: Task) -> float | None:
+    records = records_for(database, task)
+    valid = [float(r.run_secs[0]) for r in records if r.run_secs and float(r.run_secs[0]) < 1e9]
+    return min(valid) if valid else None
+
+
+def is_tuned(database, task: Task) -> bool:
+    return best_seconds(database, task) is not None

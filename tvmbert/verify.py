@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
 
 from . import models
 from .build import build
@@ -40,8 +39,10 @@ class VerifyResult:
         return asdict(self)
 
 
-def sample_inputs(job: Job, count: int) -> list[tuple[torch.Tensor, ...]]:
+def sample_inputs(job: Job, count: int) -> list[tuple]:
     """The example input first, then seeded random ids with random real lengths (padding)."""
+    import torch
+
     first = job.inputs
     samples = [first.as_tuple()]
     batch, seq_len = first.shape
@@ -56,6 +57,8 @@ def sample_inputs(job: Job, count: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def verify(job: Job) -> VerifyResult:
+    import torch
+
     built = job.upstream("build", build)
     if not job.target.device_present():
         raise ToolchainError(f"verify runs the model: this machine has no {job.target.kind} device (the build itself is at {built.path})")

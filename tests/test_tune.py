@@ -1,0 +1,217 @@
+"""Tuning for real: MetaSchedule on bert-tiny with a few trials, resumable, shared, remote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tvmbert import tuning_db
+from tvmbert.tune import plan
+from tvmbert.tuning_db import Task
+
+pytestmark = pytest.mark.slow
+
+# 12 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
+SMALL = ("--trials", "48", "--trials-per-task", "4")
+
+
+def records_file(log_dir: Path) -> Path:
+    (folder,) = [p for p in log_dir.iterdir() if p.is_dir()]
+    return folder / tuning_db.RECORDS_FILE
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, workdir):
+    """bert-tiny tuned once into a fresh log dir; the tests below reuse it."""
+    from tvmbert.cli import main
+
+    log_dir = tmp_path_factory.mktemp("logs")
+    assert main(["tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
+    return log_dir
+
+
+def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
+    built = tvmbert("build", "bert-tiny", "--log-dir", str(tuned), "--json")
+    assert built.code == 0, built.stderr
+    assert built.json["tasks_total"] == 12
+    assert built.json["tasks_tuned"] == built.json["tasks_total"] and built.json["untuned"] == []
+    verified = tvmbert("verify", "bert-tiny", "--log-dir", str(tuned), "--json")
+    assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
+
+
+def test_second_identical_tune_does_zero_trials(tvmbert, tuned):
+    outcome = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(tuned), "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["new_trials"] == 0
+    assert "0 new trials" in outcome.stderr
+    assert all(t["best_us"] > 0 for t in outcome.json["tasks"])
+    assert len(outcome.json["skipped_trivial"]) > 0
+
+
+def test_tuned_workloads_are_reused_by_another_model(tvmbert, tuned):
+    # Other weights, same architecture and shape: every workload is already in the database.
+    outcome = tvmbert("tune", "bert-tiny", "--seed", "5", "--trials", "100", "--log-dir", str(tuned), "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["new_trials"] == 0
+
+
+def test_garbage_line_is_skipped_with_a_warning_and_kept(tvmbert, tuned, tmp_path):
+    import shutil
+
+    copy = tmp_path / "logs"
+    shutil.copytree(tuned, copy)
+    path = records_file(copy)
+    good = path.read_text()
+    with open(path, "a") as handle:
+        handle.write('[0, {"truncated": \n')
+    built = tvmbert("build", "bert-tiny", "--log-dir", str(copy), "--json")
+    assert built.code == 0, built.stderr
+    line = len(good.splitlines()) + 1
+    assert f"{path}:{line}: skipped an unreadable line" in built.stderr
+    assert built.json["tasks_tuned"] == built.json["tasks_total"]
+    # A new shape has new workloads: tuning appends after the bad line.
+    again = tvmbert("tune", "bert-tiny", "--seq-len", "8", "--trials", "4", "--trials-per-task", "4",
+                    "--log-dir", str(copy), "--json")
+    assert again.code == 0, again.stderr
+    assert again.json["new_trials"] == 4
+    text = path.read_text()
+    assert text.startswith(good)  # good records never rewritten away
+    assert '[0, {"truncated": \n' in text  # nor the bad line: it is skipped, not deleted
+    assert len(text.splitlines()) > line
+
+
+def test_kill_9_loses_at_most_the_batch_in_flight(tmp_path, workdir):
+    log_dir = tmp_path / "logs"
+    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", "48", "--trials-per-task", "16",
+               "--log-dir", str(log_dir), "--workdir", str(workdir)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        files = list(log_dir.glob("*/" + tuning_db.RECORDS_FILE))
+        if files and len(files[0].read_text().splitlines()) >= 16:
+            break
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = records_file(log_dir).read_text()
+    assert len(before.splitlines()) >= 16
+    resumed = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    result = json.loads(resumed.stdout)
+    after = records_file(log_dir).read_text()
+    assert after.startswith(before.rstrip("\n").rsplit("\n", 1)[0])  # everything measured before the kill is kept
+    assert len(after.splitlines()) >= 48 - 1  # the run continued to its budget
+    assert result["new_trials"] > 0
+
+
+def test_plan_weights_tasks_by_cost_and_respects_caps():
+    tasks = [Task("big", None, 2, 1e6), Task("small", None, 1, 5e5), Task("reshape", None, 4, 0), Task("tiny", None, 1, 1e3)]
+    budgets = plan(tasks, 64, None)
+    assert "reshape" not in budgets  # trivial: no trials at all
+    assert budgets["big"] > budgets["small"] > 0 and sum(budgets.values()) <= 64
+    assert plan(tasks, 1000, 100) == {"big": 100, "small": 100, "tiny": 8}
+    assert plan(tasks, 0, None) == {"big": 0, "small": 0, "tiny": 0}
+
+
+def test_a_second_tuner_waits_for_the_lock(tmp_path):
+    messages = []
+    holding = threading.Event()
+
+    def hold():
+        with tuning_db.locked(tmp_path, exclusive=True):
+            holding.set()
+            time.sleep(1.0)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait()
+    started = time.perf_counter()
+    with tuning_db.locked(tmp_path, exclusive=True, say=messages.append):
+        waited = time.perf_counter() - started
+    thread.join()
+    assert waited > 0.5 and messages and "waiting for another" in messages[0]
+
+
+def test_unwritable_log_dir_fails_before_tuning(tvmbert, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    outcome = tvmbert("tune", "bert-tiny", "--trials", "8", "--log-dir", str(blocker / "logs"))
+    assert outcome.code == 2 and "not writable" in outcome.stderr and "Traceback" not in outcome.stderr
+
+
+def test_gpu_tune_without_gpu_or_tracker_stops_at_once(tvmbert, tmp_path):
+    started = time.perf_counter()
+    outcome = tvmbert("tune", "bert-tiny", "--target", "rocm", "--trials", "8", "--log-dir", str(tmp_path))
+    assert outcome.code == 2 and "--rpc-tracker" in outcome.stderr
+    assert time.perf_counter() - started < 10
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_tracker_is_one_line_within_seconds(tvmbert, tmp_path):
+    started = time.perf_counter()
+    outcome = tvmbert("tune", "bert-tiny", "--trials", "8", "--rpc-tracker", f"127.0.0.1:{free_port()}", "--rpc-key", "k",
+                      "--log-dir", str(tmp_path))
+    assert outcome.code == 2 and "unreachable" in outcome.stderr
+    assert time.perf_counter() - started < 10
+
+
+@pytest.fixture
+def rpc_cluster():
+    """A real TVM RPC tracker and two servers on loopback."""
+    port = free_port()
+    python = sys.executable
+    # Own process groups: an rpc_server leaves children behind unless its whole group is stopped.
+    processes = [subprocess.Popen([python, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1", "--port", str(port),
+                                   "--port-end", str(port + 1)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]
+    time.sleep(1.0)
+    for _ in range(2):
+        processes.append(subprocess.Popen([python, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
+                                           "--key", "loopback-cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True))
+    from tvmbert import measure
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            if measure.check_tracker(f"127.0.0.1:{port}", "loopback-cpu", timeout=1.0) >= 2:
+                break
+        except Exception:
+            if time.time() > deadline:
+                raise
+        time.sleep(0.3)
+    yield f"127.0.0.1:{port}"
+    for process in processes:
+        os.killpg(process.pid, signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_remote_measurement_through_a_loopback_tracker(tvmbert, rpc_cluster, tmp_path):
+    unknown = tvmbert("tune", "bert-tiny", "--trials", "8", "--rpc-tracker", rpc_cluster, "--rpc-key", "nope",
+                      "--log-dir", str(tmp_path))
+    assert unknown.code == 2 and "no device is registered with key 'nope'" in unknown.stderr
+    outcome = tvmbert("tune", "bert-tiny", "--trials", "8", "--trials-per-task", "8", "--rpc-tracker", rpc_cluster,
+                      "--rpc-key", "loopback-cpu", "--log-dir", str(tmp_path), "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["new_trials"] == 8
+    assert "RPC tracker" in outcome.stderr
+    records = [json.loads(line) for line in records_file(tmp_path).read_text().splitlines()]
+    assert len(records) == 8 and any(min(r[1][1]) < 1e9 for r in records)
