@@ -101,3 +101,16 @@ def test_python_api(workdir):
 
     artifact = optimize(Job(JobConfig(model="bert-tiny", workdir=str(workdir))))
     assert artifact.meta["ops_before"]["matmul"] == 17
+
+
+def test_combine_qkv_removes_two_matmuls_per_layer(tvmbert):
+    outcome = tvmbert("optimize", "bert-tiny", "--json")
+    assert outcome.code == 0, outcome.stderr
+    counts = {p["pass"]: p["ops"] for p in outcome.json["per_pass"]}
+    layers = 2
+    assert counts["cse"]["matmul"] == 17
+    assert counts["combine-qkv"]["matmul"] == 17 - 2 * layers
+    assert counts["combine-qkv"]["split"] == layers
+    assert "concat" not in counts["bind-params"]  # weights concatenated once, at build time
+    disabled = tvmbert("optimize", "bert-tiny", "--disable", "combine-qkv", "--json")
+    assert {p["pass"]: p["ops"] for p in disabled.json["per_pass"]}["dce"]["matmul"] == 17

@@ -6,7 +6,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from . import artifacts
+from . import artifacts, passes
 from .artifacts import Artifact
 from .convert import convert, load_module, save_module
 from .errors import InputError
@@ -23,6 +23,8 @@ def _passes() -> dict[str, Callable[[], list]]:
         # the weights stay in a separate file instead of inside the library.
         "bind-params": lambda: [t.LiftTransformParams()],
         "fold-constants": lambda: [t.FoldConstant()],
+        # Q, K and V projections (same input) become one matmul + split; biases too.
+        "combine-qkv": lambda: [passes.combine_parallel_matmuls()],
         "cse": lambda: [t.EliminateCommonSubexpr()],
         "dce": lambda: [t.DeadCodeElimination()],
         "legalize": lambda: [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant()],
@@ -30,7 +32,7 @@ def _passes() -> dict[str, Callable[[], list]]:
     }
 
 
-PASS_NAMES = ("fold-constants", "cse", "bind-params", "dce", "legalize", "fuse")
+PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "bind-params", "dce", "legalize", "fuse")
 DEFAULT_PASSES = PASS_NAMES
 
 
