@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-
 WEIGHT_LAYOUT_OPS = ("relax.permute_dims", "relax.reshape", "relax.astype")
 
 
