@@ -1,26 +1,34 @@
-"""Stage 7: latency of the TVM build against PyTorch, measured fairly in one run.
+"""Stage 7: latency of the TVM build against the engines a user could pick instead, measured fairly.
 
-Same weights, same inputs, same thread count; outputs checked before timing; engines interleaved
-call by call so that machine drift hits all of them alike; medians and percentiles reported.
+Same weights, same inputs, same thread count for every engine; outputs checked against PyTorch
+before timing (a wrong engine is reported, not timed); warm-up; engines interleaved round by
+round so that machine drift hits all of them alike; repeats until both a minimum count and a
+minimum time; medians and percentiles. Sweeps over batch, sequence length and padding.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import os
+import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from . import models
 from .build import build
-from .errors import ToolchainError
+from .errors import InputError, ToolchainError
 from .job import Job
 from .runtime import CompiledModel
 from .targets import HOST_CPUS, cpu_count
-from .verify import DEFAULT_TOLERANCE
 
 MAX_RUNS_FACTOR = 50  # a safety stop: never more than repeat x this many runs per engine
+ROUND_RUNS = 3  # consecutive runs of one engine per round: less cross-engine cache and thread-pool noise
+CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8}  # a sanity check of each engine, not verify's bar
+ENGINES = ("tvm", "torch-eager", "torch-sdpa", "torch-compile", "onnxruntime")
 
 
 @dataclass
@@ -28,7 +36,16 @@ class Engine:
     name: str
     run: Callable[[], object]  # one inference, synchronized
     outputs: Callable[[], list[np.ndarray]]  # one inference, results on the host
+    setup_s: float = 0.0  # export / compile / build / load: the one-time cost
+    memory_mb: float = 0.0  # resident memory the engine added when set up and first run
     timings_ms: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    seq_len: int
+    padding: float  # fraction of every sequence that is padding in the attention mask
 
 
 def set_threads(threads: int) -> None:
@@ -41,46 +58,115 @@ def set_threads(threads: int) -> None:
     tvm.get_global_func("runtime.config_threadpool")(-3, threads, [str(cpu) for cpu in HOST_CPUS])
 
 
-def _tvm_engine(job: Job) -> Engine:
+def padded_inputs(job: Job, padding: float) -> tuple:
+    """The job's example inputs with the last ``padding`` fraction of every sequence masked out."""
+    ids, mask, segments = (t.clone() for t in job.inputs.as_tuple())
+    seq_len = ids.shape[1]
+    real = max(1, seq_len - int(round(seq_len * padding)))
+    mask[:, real:] = 0
+    ids[:, real:] = 0
+    segments[:, real:] = 0
+    return ids, mask, segments
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _tvm(job: Job, inputs, threads: int) -> Engine:
     built = job.upstream("build", build)
     compiled = CompiledModel(built, job.target.device())
-    device_inputs = compiled.to_device([t.numpy() for t in job.inputs.as_tuple()])
+    device_inputs = compiled.to_device([t.numpy() for t in inputs])
 
     def run():
         compiled.run_on_device(device_inputs)
         compiled.sync()
 
-    return Engine("tvm", run, lambda: compiled([t.numpy() for t in job.inputs.as_tuple()]))
+    engine = Engine("tvm", run, lambda: compiled([t.numpy() for t in inputs]))
+    engine.setup_s = float(built.meta.get("build_seconds", 0.0))
+    return engine
 
 
-def _torch_engine(job: Job, name: str, attention: str) -> Engine:
+def _torch(job: Job, inputs, threads: int, attention: str, compiled: bool = False) -> Engine:
     import torch
 
     model = models.load(job.source, job.config.dtype, job.config.seed, attn_implementation=attention)
-    inputs = job.inputs.as_tuple()
+    if compiled:
+        model = torch.compile(model, backend="inductor")
 
     def run():
         with torch.inference_mode():
             return model(*inputs)
 
+    name = "torch-compile" if compiled else f"torch-{attention}"
     return Engine(name, run, lambda: [t.numpy() for t in run()])
 
 
-def _summary(timings_ms: list[float], batch: int) -> dict:
-    values = np.array(timings_ms)
-    median = float(np.median(values))
-    return {
-        "median_ms": round(median, 4),
-        "p90_ms": round(float(np.percentile(values, 90)), 4),
-        "p99_ms": round(float(np.percentile(values, 99)), 4),
-        "mean_ms": round(float(values.mean()), 4),
-        "runs": len(timings_ms),
-        "throughput": round(batch * 1000.0 / median, 2),  # sequences per second
+def _onnxruntime(job: Job, inputs, threads: int) -> Engine:
+    import onnxruntime as ort
+    import torch
+
+    path = job.stage_dir("build").parent / "onnx" / "model.onnx"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model = models.load(job.source, job.config.dtype, job.config.seed, attn_implementation="eager")
+        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
+        torch.onnx.export(model, tuple(inputs), str(tmp), input_names=list(models.INPUT_NAMES),
+                          dynamo=True, optimize=True, verbose=False)
+        tmp.replace(path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feed = {name: t.numpy() for name, t in zip(models.INPUT_NAMES, inputs)}
+    return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
+
+
+def _available(name: str) -> str | None:
+    """Why an engine cannot run here, or None."""
+    import importlib.util
+
+    if name == "onnxruntime":
+        missing = [m for m in ("onnxruntime", "onnx", "onnxscript") if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"not installed ({', '.join(missing)}): pip install 'tvmbert[peers]'"
+    return None
+
+
+def _make(name: str, job: Job, inputs, threads: int) -> Engine:
+    factories = {
+        "tvm": lambda: _tvm(job, inputs, threads),
+        "torch-eager": lambda: _torch(job, inputs, threads, "eager"),
+        "torch-sdpa": lambda: _torch(job, inputs, threads, "sdpa"),
+        "torch-compile": lambda: _torch(job, inputs, threads, "sdpa", compiled=True),
+        "onnxruntime": lambda: _onnxruntime(job, inputs, threads),
     }
+    before, started = _rss_mb(), time.perf_counter()
+    engine = factories[name]()
+    engine.run()  # first call: lazy compilation (torch.compile) and allocation belong to setup
+    engine.setup_s += time.perf_counter() - started
+    engine.memory_mb = max(0.0, _rss_mb() - before)
+    return engine
+
+
+def _check(engine: Engine, expected: list[np.ndarray], mask: np.ndarray, tolerance: float) -> str | None:
+    """Compares on real tokens only: padded positions are not part of anybody's answer."""
+    got = engine.outputs()
+    if len(got) != len(expected):
+        return f"returned {len(got)} outputs, expected {len(expected)}"
+    worst = 0.0
+    for index, (have, want) in enumerate(zip(got, expected)):
+        diff = np.abs(np.asarray(have, dtype=np.float64) - want.astype(np.float64))
+        if index == 0 and diff.ndim == 3:
+            diff = diff[mask.astype(bool)]
+        worst = max(worst, float(diff.max()))
+    return f"wrong results: max abs diff {worst:.3g} > {tolerance:.3g}" if worst > tolerance else None
 
 
 def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float) -> None:
-    """Round-robin: one timed call per engine per round, until every engine has enough."""
+    """Rounds of a few consecutive runs per engine, until every engine has enough."""
     for engine in engines:
         for _ in range(warmup):
             engine.run()
@@ -89,46 +175,169 @@ def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float) 
         if all(len(e.timings_ms) >= repeat * MAX_RUNS_FACTOR for e in engines):
             break
         for engine in engines:
-            started = time.perf_counter()
-            engine.run()
-            elapsed = time.perf_counter() - started
-            engine.timings_ms.append(elapsed * 1000.0)
-            spent[engine.name] += elapsed
+            for _ in range(ROUND_RUNS):
+                started = time.perf_counter()
+                engine.run()
+                elapsed = time.perf_counter() - started
+                engine.timings_ms.append(elapsed * 1000.0)
+                spent[engine.name] += elapsed
 
 
-def bench(job: Job) -> dict:
-    if not job.target.device_present():
-        raise ToolchainError(f"bench runs the model: this machine has no {job.target.kind} device")
+def _summary(engine: Engine, batch: int) -> dict:
+    values = np.array(engine.timings_ms)
+    median = float(np.median(values))
+    return {
+        "median_ms": round(median, 4),
+        "p90_ms": round(float(np.percentile(values, 90)), 4),
+        "p99_ms": round(float(np.percentile(values, 99)), 4),
+        "mean_ms": round(float(values.mean()), 4),
+        "runs": len(values),
+        "throughput": round(batch * 1000.0 / median, 2),  # sequences per second
+        "setup_s": round(engine.setup_s, 2),
+        "memory_mb": round(engine.memory_mb, 1),
+    }
+
+
+def environment(job: Job, threads: int) -> dict:
+    import importlib.metadata
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": cpu_count(),
+        "threads": threads,
+        "target": job.target.key,
+        "python": platform.python_version(),
+        **{name: version(name) for name in ("torch", "apache-tvm", "onnxruntime", "transformers")},
+    }
+
+
+def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: int) -> dict:
+    """One shape: every engine set up, checked, then timed together."""
     options = job.config.bench
-    threads = options.threads or cpu_count()
-    set_threads(threads)
-    reference = _torch_engine(job, "torch-eager", "eager")
-    engines = [_tvm_engine(job), reference]
-    expected = reference.outputs()
-    tolerance = DEFAULT_TOLERANCE[job.config.dtype]
+    inputs = padded_inputs(job, shape.padding)
+    mask = inputs[1].numpy()
     report: dict = {}
+    engines = []
+    for name in engine_names:
+        reason = _available(name)
+        if reason is None and name == "tvm":
+            engines.append(_make(name, job, inputs, threads))  # the subject: its failures are errors
+            continue
+        if reason is None:
+            try:
+                engines.append(_make(name, job, inputs, threads))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is skipped, with the reason
+                first = (str(exc).strip().splitlines() or [""])[0][:160]
+                reason = f"failed to set up: {type(exc).__name__}: {first}"
+        if reason is not None:
+            report[name] = {"skipped": reason}
+            job.say(f"bench: {name} skipped: {reason}")
+    eager = next((e for e in engines if e.name == "torch-eager"), None) or _make("torch-eager", job, inputs, threads)
+    reference = [np.asarray(o) for o in eager.outputs()]
     timed = []
     for engine in engines:
-        error = max(float(np.abs(got - want).max()) for got, want in zip(engine.outputs(), expected))
-        if error > tolerance:
-            report[engine.name] = {"skipped": f"wrong results: max abs diff {error:.3g} > {tolerance:.3g}"}
+        problem = _check(engine, reference, mask, CHECK_TOLERANCE[job.config.dtype])
+        if problem:
+            report[engine.name] = {"skipped": problem}
+            job.say(f"bench: {engine.name} not timed: {problem}")
         else:
             timed.append(engine)
-    job.say(f"bench: {', '.join(e.name for e in timed)} on {threads} threads, warm-up {options.warmup}, "
-            f">= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
+    job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
+            f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
     measure(timed, options.warmup, options.repeat, options.min_time_s)
-    batch, seq_len = job.inputs.shape
     for engine in timed:
-        report[engine.name] = _summary(engine.timings_ms, batch)
-    result = {
-        "model": job.source.name,
-        "shape": {"batch": batch, "seq_len": seq_len},
-        "dtype": job.config.dtype,
-        "target": job.target.key,
-        "threads": threads,
-        "engines": report,
-        "speedup": None,
+        report[engine.name] = _summary(engine, shape.batch)
+    ordered = {name: report[name] for name in engine_names if name in report}
+    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered)}
+
+
+def _ratios(engines: dict) -> dict:
+    """ratio: tvm's median over the best other engine's (below 1: tvm is faster);
+    speedup: torch-eager's median over tvm's."""
+    timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats}
+    if "tvm" not in timed:
+        return {"ratio": None, "best_other": None, "speedup": None}
+    others = {name: median for name, median in timed.items() if name != "tvm"}
+    best = min(others, key=others.get) if others else None
+    return {
+        "ratio": round(timed["tvm"] / others[best], 3) if best else None,
+        "best_other": best,
+        "speedup": round(timed["torch-eager"] / timed["tvm"], 3) if "torch-eager" in timed else None,
     }
-    if "median_ms" in report.get("tvm", {}) and "median_ms" in report.get("torch-eager", {}):
-        result["speedup"] = round(report["torch-eager"]["median_ms"] / report["tvm"]["median_ms"], 3)
-    return result
+
+
+def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (), paddings: tuple[float, ...] = (0.0,)) -> dict:
+    if not job.target.device_present():
+        raise ToolchainError(f"bench runs the model: this machine has no {job.target.kind} device")
+    engines = job.config.bench.engines or ENGINES
+    if any(not 0.0 <= p < 1.0 for p in paddings):
+        raise InputError("--padding must be a fraction in [0, 1)")
+    if "tvm" not in engines:
+        engines = ("tvm", *engines)
+    threads = job.config.bench.threads or cpu_count()
+    set_threads(threads)
+    results = []
+    for batch in batches or (job.config.batch,):
+        for seq_len in seq_lens or (job.config.seq_len,):
+            shaped = Job(replace(job.config, batch=batch, seq_len=seq_len), no_deps=job.no_deps, say=job.say)
+            for padding in paddings:
+                actual = Shape(*shaped.inputs.shape, padding)
+                results.append(bench_shape(shaped, actual, engines, threads))
+    report = {"model": job.source.name, "dtype": job.config.dtype, "environment": environment(job, threads), "results": results}
+    if len(results) == 1:  # one shape: its numbers at the top level too
+        report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup")})
+        report["shape"] = {"batch": results[0]["batch"], "seq_len": results[0]["seq_len"], "padding": results[0]["padding"]}
+    return report
+
+
+def to_csv(report: dict) -> str:
+    buffer = io.StringIO()
+    columns = ["model", "dtype", "batch", "seq_len", "padding", "engine", "median_ms", "p90_ms", "p99_ms", "mean_ms",
+               "runs", "throughput", "setup_s", "memory_mb", "skipped"]
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    for result in report["results"]:
+        for engine, stats in result["engines"].items():
+            writer.writerow({"model": report["model"], "dtype": report["dtype"], "batch": result["batch"],
+                             "seq_len": result["seq_len"], "padding": result["padding"], "engine": engine, **stats})
+    return buffer.getvalue()
+
+
+def plot(report: dict, path: str) -> None:
+    """Latency against sequence length per engine, one panel per (batch, padding)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["batch"], r["padding"]) for r in report["results"]})
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (batch, padding) in zip(axes[0], panels):
+        rows = [r for r in report["results"] if r["batch"] == batch and r["padding"] == padding]
+        for engine in ENGINES:
+            points = sorted((r["seq_len"], r["engines"][engine]["median_ms"]) for r in rows
+                            if "median_ms" in r["engines"].get(engine, {}))
+            if points:
+                axis.plot(*zip(*points), marker="o", label=engine)
+        axis.set_title(f"{report['model']}, batch {batch}" + (f", {padding:.0%} padding" if padding else ""))
+        axis.set_xlabel("sequence length")
+        axis.set_ylabel("median latency (ms)")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    environment_line = report["environment"]
+    figure.suptitle(f"{environment_line['cpu']}, {environment_line['threads']} threads, {report['dtype']}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -7,14 +7,16 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from . import config as config_module
+from .bench import ENGINES as ENGINE_NAMES
 from .config import JobConfig
-from .errors import CheckFailed, TvmbertError
+from .errors import CheckFailed, InputError, TvmbertError
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -24,8 +26,8 @@ def _common(func):
     options = [
         click.argument("model", required=False),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
-        click.option("--batch", type=int, help="Batch size of the example inputs."),
-        click.option("--seq-len", type=int, help="Sequence length (default: the text's length, or 14)."),
+        click.option("--batch", help="Batch size of the example inputs (bench: a list, e.g. 1,8)."),
+        click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench: a list)."),
         click.option("--text", help="Example text, for models with a tokenizer."),
         click.option("--dtype", help="float32 (default) or float64."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
@@ -40,9 +42,27 @@ def _common(func):
     return func
 
 
-def _job(params: dict, overrides: dict | None = None):
+def _numbers(text: str | None, option: str, kind=int, many: bool = False) -> tuple:
+    """'1,8' -> (1, 8); one value unless ``many``."""
+    if text is None:
+        return ()
+    try:
+        values = tuple(kind(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise InputError(f"{option} must be {'a list of numbers' if many else 'a number'}, got '{text}'") from None
+    if not values or (len(values) > 1 and not many):
+        raise InputError(f"{option} takes {'one or more numbers' if many else 'one number'}, got '{text}'")
+    return values
+
+
+def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
     """A Job from the config file (if any), overridden by the flags given."""
     from .job import Job
+
+    batches = _numbers(params["batch"], "--batch", many=sweep)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=sweep)
+    params["batch"] = batches[0] if batches else None
+    params["seq_len"] = seq_lens[0] if seq_lens else None
 
     base = config_module.load(params.pop("config_path")) if params.get("config_path") else JobConfig()
     params.pop("config_path", None)
@@ -165,17 +185,32 @@ def verify(as_json, samples, tolerance, **params):
 
 @cli.command()
 @_common
+@click.option("--padding", help="Fraction of each sequence that is padding (a list sweeps), e.g. 0,0.5.")
+@click.option("--engines", help=f"Comma-separated engines (default: all of {', '.join(ENGINE_NAMES)}).")
 @click.option("--warmup", type=int, help="Untimed runs per engine first.")
 @click.option("--repeat", type=int, help="At least this many timed runs per engine.")
 @click.option("--min-time", type=float, help="And at least this many seconds per engine.")
 @click.option("--threads", type=int, help="Threads for every engine (default: all cores).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the results as CSV.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also plot latency vs sequence length (PNG).")
 @_quiet_warnings
-def bench(as_json, warmup, repeat, min_time, threads, **params):
-    """Time TVM against PyTorch on the same inputs, interleaved."""
+def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, **params):
+    """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
+    from .artifacts import write_text
     from .bench import bench as run
+    from .bench import plot, to_csv
 
-    overrides = {"bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
-    _emit(as_json, run(_job(params, overrides)), _print_bench)
+    batches = _numbers(params["batch"], "--batch", many=True)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+    paddings = _numbers(padding, "--padding", kind=float, many=True) or (0.0,)
+    names = tuple(e.strip() for e in engines.split(",") if e.strip()) if engines else None
+    overrides = {"bench.engines": names, "bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
+    report = run(_job(params, overrides, sweep=True), batches, seq_lens, paddings)
+    if csv_path:
+        write_text(Path(csv_path), to_csv(report))
+    if plot_path:
+        plot(report, plot_path)
+    _emit(as_json, report, _print_bench)
 
 
 @cli.command("run")
@@ -248,21 +283,25 @@ def _print_verify(result):
     out.print(f"verify: {verdict} max abs diff {result['max_abs_diff']:.3g} (tolerance {result['tolerance']:.3g})")
 
 
-def _print_bench(result):
-    shape = result["shape"]
-    table = Table(title=f"{result['model']} {shape['batch']}x{shape['seq_len']} {result['dtype']}, "
-                        f"{result['threads']} threads, {result['target']}")
-    for column in ("engine", "median ms", "p90 ms", "p99 ms", "seq/s", "runs"):
-        table.add_column(column, justify="right" if column != "engine" else "left")
-    for name, stats in result["engines"].items():
-        if "skipped" in stats:
-            table.add_row(name, f"skipped: {stats['skipped']}", "", "", "", "")
-        else:
-            table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", f"{stats['p99_ms']:.3f}",
-                          f"{stats['throughput']:.1f}", str(stats["runs"]))
-    out.print(table)
-    if result["speedup"]:
-        out.print(f"tvm vs torch-eager: {result['speedup']:.2f}x")
+def _print_bench(report):
+    env = report["environment"]
+    for result in report["results"]:
+        table = Table(title=f"{report['model']} {result['batch']}x{result['seq_len']}"
+                            + (f" ({result['padding']:.0%} padding)" if result["padding"] else "")
+                            + f", {report['dtype']}, {env['threads']} threads, {env['target']}")
+        for column in ("engine", "median ms", "p90 ms", "p99 ms", "seq/s", "runs", "setup s", "memory MB"):
+            table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
+        for name, stats in result["engines"].items():
+            if "skipped" in stats:
+                table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
+            else:
+                table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", f"{stats['p99_ms']:.3f}",
+                              f"{stats['throughput']:.1f}", str(stats["runs"]), f"{stats['setup_s']:.1f}",
+                              f"{stats['memory_mb']:.0f}")
+        out.print(table)
+        if result["ratio"]:
+            verdict = "tvm faster" if result["ratio"] < 1 else "tvm slower"
+            out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
 
 
 def _print_run(results):

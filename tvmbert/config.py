@@ -35,8 +35,13 @@ class BenchOptions:
     repeat: int = 20  # at least this many timed runs per engine...
     min_time_s: float = 1.0  # ...and at least this long
     threads: int | None = None  # default: every core of the machine, for every engine
+    engines: tuple[str, ...] | None = None  # default: every engine (tvm is always timed)
 
     def validate(self, where: str) -> None:
+        from .bench import ENGINES
+
+        unknown = [name for name in self.engines or () if name not in ENGINES]
+        _require(not unknown, where, "bench.engines", f"names from {', '.join(ENGINES)} (got {', '.join(unknown)})")
         _require(self.warmup >= 0, where, "bench.warmup", "a number >= 0")
         _require(self.repeat >= 1, where, "bench.repeat", "a number >= 1")
         _require(self.min_time_s >= 0, where, "bench.min_time_s", "a number >= 0")

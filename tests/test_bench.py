@@ -1,0 +1,64 @@
+"""bench: every engine on the same inputs, checked before timing, sweeps, CSV and plot."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from tvmbert.bench import Engine, _check, _ratios
+
+FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
+
+
+def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path):
+    outcome = tvmbert("bench", "bert-tiny", "--seq-len", "8,16", "--padding", "0,0.5", "--engines",
+                      "tvm,torch-eager,torch-sdpa,onnxruntime", *FAST, "--csv", str(tmp_path / "b.csv"),
+                      "--plot", str(tmp_path / "b.png"), "--json")
+    assert outcome.code == 0, outcome.stderr
+    report = outcome.json
+    assert [(r["seq_len"], r["padding"]) for r in report["results"]] == [(8, 0.0), (8, 0.5), (16, 0.0), (16, 0.5)]
+    for result in report["results"]:
+        assert set(result["engines"]) == {"tvm", "torch-eager", "torch-sdpa", "onnxruntime"}
+        for stats in result["engines"].values():
+            assert stats["runs"] >= 3 and stats["p99_ms"] >= stats["p90_ms"] >= stats["median_ms"] > 0
+            assert stats["throughput"] > 0 and stats["setup_s"] >= 0
+        assert result["ratio"] > 0 and result["best_other"] in result["engines"]
+    environment = report["environment"]
+    assert environment["threads"] >= 1 and environment["torch"] and environment["onnxruntime"]
+    rows = list(csv.DictReader((tmp_path / "b.csv").open()))
+    assert len(rows) == 16 and {row["engine"] for row in rows} == {"tvm", "torch-eager", "torch-sdpa", "onnxruntime"}
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_torch_compile(tvmbert):
+    outcome = tvmbert("bench", "bert-tiny", "--engines", "torch-compile", *FAST, "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["engines"]["torch-compile"]["median_ms"] > 0
+    assert outcome.json["engines"]["torch-compile"]["setup_s"] > 0  # the compilation is a one-time cost
+
+
+def test_a_wrong_engine_is_reported_not_timed():
+    expected = [np.zeros((1, 4, 2)), np.zeros((1, 2))]
+    mask = np.array([[1, 1, 0, 0]])
+    garbage_on_padding = np.zeros((1, 4, 2))
+    garbage_on_padding[0, 3] = 7.0
+    fine = Engine("fine", lambda: None, lambda: [garbage_on_padding, np.zeros((1, 2))])
+    wrong = Engine("wrong", lambda: None, lambda: [np.full((1, 4, 2), 0.5), np.zeros((1, 2))])
+    assert _check(fine, expected, mask, 1e-3) is None  # padded positions are nobody's answer
+    assert "wrong results" in _check(wrong, expected, mask, 1e-3)
+
+
+def test_ratio_is_tvm_over_the_best_other():
+    engines = {"tvm": {"median_ms": 9.0}, "torch-eager": {"median_ms": 30.0}, "onnxruntime": {"median_ms": 10.0},
+               "torch-compile": {"skipped": "not installed"}}
+    assert _ratios(engines) == {"ratio": 0.9, "best_other": "onnxruntime", "speedup": 3.333}
+
+
+def test_bad_bench_options(tvmbert):
+    assert tvmbert("bench", "bert-tiny", "--engines", "tensorrt").code == 2
+    assert tvmbert("bench", "bert-tiny", "--padding", "1.5").code == 2
+    assert tvmbert("bench", "bert-tiny", "--seq-len", "8,x").code == 2
+    assert tvmbert("trace", "bert-tiny", "--seq-len", "8,16").code == 2
