@@ -6,7 +6,7 @@ MODEL ?= bert-tiny
 TARGET ?= llvm
 ARGS ?=
 
-.PHONY: install demo test test-fast lint trace convert optimize tune build verify bench run clean
+.PHONY: install demo test test-fast lint trace convert optimize tune build verify bench run benchmarks clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,11 @@ trace convert optimize tune build verify bench: install
 
 run: install
 	$(BIN)/tvmbert run $(CONFIG) $(ARGS)
+
+# Regenerates the measured tables that docs/benchmarks.md shows (bert-base, this machine).
+benchmarks: install
+	$(BIN)/tvmbert bench bert-base --seq-len 14,128 --repeat 20 --min-time 5 --markdown docs/bench-bert-base-cpu.md \
+		--plot docs/bench-bert-base-cpu.png --json > docs/bench-bert-base-cpu.json
 
 clean:
 	rm -rf build

@@ -341,3 +341,27 @@ def plot(report: dict, path: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def to_markdown(report: dict, command: str) -> str:
+    """A results table for docs/, with the command and the environment that produced it."""
+    env = report["environment"]
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Machine: {env['cpu']}, {env['threads']} threads of {env['cores']} cores, target `{env['target']}`; "
+        f"torch {env['torch']}, apache-tvm {env['apache-tvm']}, onnxruntime {env['onnxruntime']}, "
+        f"transformers {env['transformers']}; {report['model']}, {report['dtype']}, median ms (p90).",
+        "",
+    ]
+    names = [name for name in ENGINES if any(name in r["engines"] for r in report["results"])]
+    lines.append("| batch x seq | padding | " + " | ".join(names) + " | tvm / best other |")
+    lines.append("| --- | --- | " + " | ".join("---" for _ in names) + " | --- |")
+    for result in report["results"]:
+        cells = []
+        for name in names:
+            stats = result["engines"].get(name, {})
+            cells.append(f"{stats['median_ms']:.2f} ({stats['p90_ms']:.2f})" if "median_ms" in stats else "skipped")
+        ratio = f"{result['ratio']:.2f} vs {result['best_other']}" if result["ratio"] else "-"
+        lines.append(f"| {result['batch']} x {result['seq_len']} | {result['padding']:g} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"

@@ -193,12 +193,13 @@ def verify(as_json, samples, tolerance, **params):
 @click.option("--threads", type=int, help="Threads for every engine (default: all cores).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the results as CSV.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also plot latency vs sequence length (PNG).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Also write a Markdown table (docs).")
 @_quiet_warnings
-def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, **params):
+def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, **params):
     """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
     from .artifacts import write_text
     from .bench import bench as run
-    from .bench import plot, to_csv
+    from .bench import plot, to_csv, to_markdown
 
     batches = _numbers(params["batch"], "--batch", many=True)
     seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
@@ -210,6 +211,8 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
         write_text(Path(csv_path), to_csv(report))
     if plot_path:
         plot(report, plot_path)
+    if markdown_path:
+        write_text(Path(markdown_path), to_markdown(report, "tvmbert " + " ".join(_invocation)))
     _emit(as_json, report, _print_bench)
 
 
@@ -311,7 +314,11 @@ def _print_run(results):
         printers.get(stage, _print_artifact(stage))(result)
 
 
+_invocation: list[str] = []  # the command line, as the user typed it, for reports
+
+
 def main(argv=None) -> int:
+    _invocation[:] = sys.argv[1:] if argv is None else list(argv)
     try:
         cli.main(args=argv, prog_name="tvmbert", standalone_mode=False)
     except click.exceptions.Exit as stop:
