@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from conftest import REPO
 
@@ -114,3 +115,16 @@ def test_combine_qkv_removes_two_matmuls_per_layer(tvmbert):
     assert "concat" not in counts["bind-params"]  # weights concatenated once, at build time
     disabled = tvmbert("optimize", "bert-tiny", "--disable", "combine-qkv", "--json")
     assert {p["pass"]: p["ops"] for p in disabled.json["per_pass"]}["dce"]["matmul"] == 17
+
+
+def test_optimize_viz_draws_one_layer_before_and_after(tvmbert):
+    import shutil
+
+    outcome = tvmbert("optimize", "bert-tiny", "--viz", "--json")
+    assert outcome.code == 0, outcome.stderr
+    before, after = (Path(p) for p in outcome.json["pictures"])
+    suffix = ".svg" if shutil.which("dot") else ".dot"
+    assert before.suffix == after.suffix == suffix
+    before_dot, after_dot = before.with_suffix(".dot").read_text(), after.with_suffix(".dot").read_text()
+    assert before_dot.count("matmul") > after_dot.count("fused_matmul") >= 4  # Q/K/V merged, epilogues fused
+    assert "layer_0" in before_dot and "128x384 float32" in after_dot  # weights as boxes with shape and dtype

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from .errors import MissingArtifactError
@@ -22,9 +23,18 @@ STAGE_FILE = "stage.json"
 FORMAT_VERSION = 1  # bump when an artifact's files change meaning
 
 
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """A hash of tvmbert's own source: a changed pass or exporter invalidates what it produced."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def fingerprint(**inputs) -> str:
     """A stable hash of everything that decides a stage's output."""
-    blob = json.dumps({"format": FORMAT_VERSION, **inputs}, sort_keys=True, default=str)
+    blob = json.dumps({"format": FORMAT_VERSION, "code": code_version(), **inputs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 

@@ -128,14 +128,24 @@ def convert(as_json, force, **params):
 @click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
 @click.option("--passes", help="Comma-separated pass pipeline (default: the config's, or all).")
 @click.option("--disable", multiple=True, help="Leave out a pass by name (repeatable).")
+@click.option("--viz", is_flag=True, help="Draw BertLayer 0 before and after the passes (SVG; DOT without Graphviz).")
 @_quiet_warnings
-def optimize(as_json, force, passes, disable, **params):
+def optimize(as_json, force, passes, disable, viz, **params):
     """Run the graph-pass pipeline; report op counts before and after."""
     from .optimize import optimize as run
+    from .optimize import pictures
     from .pipeline import artifact_summary
 
     overrides = {"passes": tuple(p.strip() for p in passes.split(",") if p.strip())} if passes else None
-    result = artifact_summary(run(_job(params, overrides), force=force, disable=tuple(disable)))
+    job = _job(params, overrides)
+    artifact = run(job, force=force, disable=tuple(disable))
+    result = artifact_summary(artifact)
+    if viz:
+        result["pictures"] = pictures(job, artifact)
+        if result["pictures"][0].endswith(".dot"):
+            err.print("viz: Graphviz's `dot` is not installed (Debian: apt install graphviz), so these are DOT files; "
+                      "render one with: dot -Tsvg FILE.dot -o FILE.svg")
+        err.print(f"viz: {', '.join(result['pictures'])}")
     _emit(as_json, result, _print_ops)
 
 

@@ -94,3 +94,14 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
     with artifacts.writing("optimize", path, fp, meta) as tmp:
         save_module(module, tmp)
     return Artifact("optimize", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def pictures(job: Job, optimized: Artifact) -> list[str]:
+    """Layer 0 before (as converted) and after the pipeline, as SVG (or DOT without Graphviz)."""
+    from . import viz
+
+    folder = optimized.path / "viz"
+    before = viz.render(load_module(job.stage_dir("convert")), f"{job.source.name}: BertLayer 0 as converted", folder / "layer0-before")
+    after = viz.render(load_module(optimized.path), f"{job.source.name}: BertLayer 0 after {' -> '.join(optimized.meta['passes'])}",
+                       folder / "layer0-after")
+    return [str(before), str(after)]

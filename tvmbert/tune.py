@@ -204,8 +204,7 @@ def _run(job: Job, todo, database, log_dir: Path, servers: int, retune: bool, pr
                     database=database, cost_model="xgb",
                     measure_callbacks=[*ms.MeasureCallback.create("default"), _progress_callback(counted)],
                 )
-                tuning_db_best = _best_us(database, task)
-                state.best_us, state.status = tuning_db_best, "done"
+                state.best_us, state.status = _best_us(database, task), "done"
                 _mark_done(log_dir, task, state.existing + state.new_trials)
                 live.update(view.table())
     finally:
