@@ -128,3 +128,15 @@ def test_optimize_viz_draws_one_layer_before_and_after(tvmbert):
     before_dot, after_dot = before.with_suffix(".dot").read_text(), after.with_suffix(".dot").read_text()
     assert before_dot.count("matmul") > after_dot.count("fused_matmul") >= 4  # Q/K/V merged, epilogues fused
     assert "layer_0" in before_dot and "128x384 float32" in after_dot  # weights as boxes with shape and dtype
+
+
+def test_gelu_is_exact_unless_fast_math_is_asked_for(tvmbert):
+    exact = tvmbert("verify", "bert-tiny", "--json")
+    fast = tvmbert("verify", "bert-tiny", "--fast-math", "--json")
+    assert exact.code == 0 and fast.code == 0, fast.stderr
+    assert fast.json["fast_math"] is True and exact.json["fast_math"] is False
+    # The approximation is visible in the error, and bounded.
+    assert exact.json["max_abs_diff"] < fast.json["max_abs_diff"] <= fast.json["tolerance"]
+    optimized = tvmbert("optimize", "bert-tiny", "--fast-math", "--json")
+    assert "fast-math" in optimized.json["passes"]
+    assert "nn.gelu" not in optimized.json["per_pass"][optimized.json["passes"].index("fast-math")]["ops"]

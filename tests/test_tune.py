@@ -127,7 +127,7 @@ def test_a_second_tuner_waits_for_the_lock(tmp_path):
     holding = threading.Event()
 
     def hold():
-        with tuning_db.locked(tmp_path, exclusive=True):
+        with tuning_db.locked(tmp_path):
             holding.set()
             time.sleep(1.0)
 
@@ -135,10 +135,12 @@ def test_a_second_tuner_waits_for_the_lock(tmp_path):
     thread.start()
     holding.wait()
     started = time.perf_counter()
-    with tuning_db.locked(tmp_path, exclusive=True, say=messages.append):
+    assert tuning_db.tuning_active(tmp_path)  # builds see it and do not wait
+    with tuning_db.locked(tmp_path, say=messages.append):
         waited = time.perf_counter() - started
     thread.join()
     assert waited > 0.5 and messages and "waiting for another" in messages[0]
+    assert not tuning_db.tuning_active(tmp_path)
 
 
 def test_unwritable_log_dir_fails_before_tuning(tvmbert, tmp_path):

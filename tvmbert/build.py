@@ -30,8 +30,10 @@ def build(job: Job, force: bool = False) -> Artifact:
     target = job.target.tvm_target()
     optimized_module = load_module(optimized.path)
     module = tuning_db.inference_module(optimized_module)
-    with tuning_db.locked(log_dir, exclusive=False, say=job.say):
-        database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))
+    live = tuning_db.tuning_active(log_dir)
+    if live:
+        job.say(f"build: a tuning run is writing to {log_dir}; building with the records measured so far")
+    database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"), live=live)
     tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
     untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t)]
     job.say(f"build: {job.target.key}, {len(tasks) - len(untuned)}/{len(tasks)} tasks tuned ({log_dir})")

@@ -31,6 +31,7 @@ def _common(func):
         click.option("--text", help="Example text, for models with a tokenizer."),
         click.option("--dtype", help="float32 (default) or float64."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
+        click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
         click.option("--workdir", help="Where artifacts go (default: build)."),
         click.option("--log-dir", help="Where tuning databases live (default: tuning_logs)."),
@@ -69,7 +70,7 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
     model = params.pop("model")
     flags = {
         "model": model,
-        **{k: params.pop(k) for k in ("batch", "seq_len", "text", "dtype", "seed", "target", "workdir", "log_dir")},
+        **{k: params.pop(k) for k in ("batch", "seq_len", "text", "dtype", "fast_math", "seed", "target", "workdir", "log_dir")},
         **(overrides or {}),
     }
     job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))

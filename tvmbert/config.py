@@ -67,6 +67,7 @@ class JobConfig:
     seq_len: int | None = None  # default: the tokenized text's length, or 14
     text: str | None = None
     dtype: str = "float32"
+    fast_math: bool = False  # allow approximations (tanh GELU, fast exp/erf/softmax); exact by default
     seed: int = 0
     target: str = "llvm"
     passes: tuple[str, ...] | None = None  # None: the default pipeline of the optimize stage
@@ -151,6 +152,8 @@ def _coerce(value, hint, where: str, key: str):
             return None
         raise InputError(f"{where}: '{key}' must not be empty")
     for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):

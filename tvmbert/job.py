@@ -38,7 +38,7 @@ class Job:
     def shape_key(self) -> str:
         known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
         batch, seq_len = known or self.inputs.shape
-        return f"b{batch}-s{seq_len}-{self.config.dtype}"
+        return f"b{batch}-s{seq_len}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
 
     def stage_dir(self, stage: str) -> Path:
         base = Path(self.config.workdir) / self.source.key / self.shape_key

@@ -27,13 +27,15 @@ def _passes() -> dict[str, Callable[[], list]]:
         "combine-qkv": lambda: [passes.combine_parallel_matmuls()],
         "cse": lambda: [t.EliminateCommonSubexpr()],
         "dce": lambda: [t.DeadCodeElimination()],
+        # Off by default (--fast-math): GELU as tanh, fast exp/erf/tanh/softmax.
+        "fast-math": passes.fast_math,
         "legalize": lambda: [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant()],
         "fuse": lambda: [t.FuseOps(), t.FuseTIR()],
     }
 
 
-PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "bind-params", "dce", "legalize", "fuse")
-DEFAULT_PASSES = PASS_NAMES
+PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "bind-params", "dce", "fast-math", "legalize", "fuse")
+DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name != "fast-math")
 
 
 def check_pass_names(names, where: str = "options") -> None:
@@ -45,6 +47,9 @@ def check_pass_names(names, where: str = "options") -> None:
 def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
     check_pass_names(disable, "--disable")
     passes = job.config.passes if job.config.passes is not None else DEFAULT_PASSES
+    if job.config.fast_math and "fast-math" not in passes:
+        at = passes.index("legalize") if "legalize" in passes else len(passes)
+        passes = (*passes[:at], "fast-math", *passes[at:])
     return tuple(name for name in passes if name not in disable)
 
 

@@ -131,3 +131,31 @@ def _combiner_class():
 
     return Combiner
 
+
+
+def fast_math():
+    """Opt-in approximations: GELU as its tanh form, and TVM's fast exp/erf/tanh/softmax.
+
+    The seed post found its converter silently turning GELU into FastGELU; here exact GELU (erf)
+    is the default and this pass is the one way to give it up, with verify reporting the error.
+    """
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class TanhGelu(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if getattr(call.op, "name", None) == "relax.nn.gelu":
+                return relax.op.nn.gelu_tanh(call.args[0])
+            return call
+
+    @tvm.transform.module_pass(opt_level=0, name="TanhGelu")
+    def tanh_gelu(module, _context):
+        rewriter = TanhGelu(module)
+        for global_var, function in module.functions_items():
+            if isinstance(function, relax.Function):
+                rewriter.builder_.update_func(global_var, rewriter.visit_expr(function))
+        return rewriter.builder_.get()
+
+    return [tanh_gelu, relax.transform.FastMathTransform()]

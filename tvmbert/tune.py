@@ -125,7 +125,7 @@ def tune(job: Job, retune: bool = False) -> TuneResult:
     optimized = job.upstream("optimize", optimize)
     tasks = tuning_db.extract_tasks(load_module(optimized.path), job.target)
     started = time.perf_counter()
-    with tuning_db.locked(log_dir, exclusive=True, say=job.say):
+    with tuning_db.locked(log_dir, say=job.say):
         database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))
         budgets = plan(tasks, options.trials, options.trials_per_task)
         done = _done_keys(log_dir)

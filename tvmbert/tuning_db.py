@@ -62,33 +62,34 @@ def state(log_dir: Path) -> list:
 
 
 @contextmanager
-def locked(log_dir: Path, exclusive: bool, say=None):
-    """Tuners hold the folder exclusively; readers share it. Waits, and says so, when taken.
-
-    A reader of a folder that does not exist or cannot be written to reads without a lock:
-    nobody can be tuning into it.
-    """
-    if exclusive:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        handle = open(log_dir / LOCK_FILE, "a+")
-    except OSError:
-        if exclusive:
-            raise
-        yield
-        return
-    with handle:
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+def locked(log_dir: Path, say=None):
+    """Held by a tuning run for its whole length: a second tuner of the same folder waits, and says so."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / LOCK_FILE, "a+") as handle:
         try:
-            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if say:
                 say(f"waiting for another tvmbert process that is tuning into {log_dir}")
-            fcntl.flock(handle, mode)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def tuning_active(log_dir: Path) -> bool:
+    """Whether a tuning run is appending to this folder right now (readers never wait for it)."""
+    try:
+        with open(log_dir / LOCK_FILE) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    except OSError:
+        pass
+    return False
 
 
 def _lines(path: Path):
@@ -111,8 +112,10 @@ def _database_class():
         kept, and the files are only ever appended to, never rewritten, so nothing is lost.
         """
 
-        def __init__(self, log_dir: Path, warn):
+        def __init__(self, log_dir: Path, warn, live: bool = False):
             super().__init__()
+            # While a tuner appends, the last line may be a write in flight, not damage.
+            self.live = live
             self.log_dir = log_dir
             self.memory = ms.database.MemoryDatabase(module_equality="structural")
             self.line_of: dict[int, list] = {}  # structural hash -> [(workload module, line index)]
@@ -132,6 +135,8 @@ def _database_class():
                     self._problem(warn, WORKLOADS_FILE, number, exc)
             self.workload_lines = len(workloads)
             for number, line in _lines(self.log_dir / RECORDS_FILE):
+                if self.live and not line.endswith("\n"):
+                    break
                 try:
                     index, record_json = json.loads(line)
                     workload = workloads[index] if isinstance(index, int) and 0 <= index < len(workloads) else None
@@ -209,9 +214,9 @@ def _database_class():
     return LogDatabase
 
 
-def open_database(log_dir: Path, warn=None):
+def open_database(log_dir: Path, warn=None, live: bool = False):
     """The target's database (empty when nothing was tuned for it yet)."""
-    return _database_class()(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)))
+    return _database_class()(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)), live)
 
 
 def records_for(database, task: Task) -> list:
