@@ -100,8 +100,16 @@ def test_kill_9_loses_at_most_the_batch_in_flight(tmp_path, workdir):
         if files and len(files[0].read_text().splitlines()) >= 16:
             break
         time.sleep(0.5)
+    import psutil
+
+    workers = psutil.Process(process.pid).children(recursive=True)  # TVM's pool workers start sessions of their own
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
     before = records_file(log_dir).read_text()
     assert len(before.splitlines()) >= 16
     resumed = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=600)
