@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from . import artifacts, passes
 from .artifacts import Artifact
+from .config import MIXED_PRECISION
 from .convert import convert, load_module, save_module
 from .errors import InputError
 from .job import Job
@@ -27,6 +28,9 @@ def _passes() -> dict[str, Callable[[], list]]:
         "combine-qkv": lambda: [passes.combine_parallel_matmuls()],
         "cse": lambda: [t.EliminateCommonSubexpr()],
         "dce": lambda: [t.DeadCodeElimination()],
+        # Added for --dtype float16: matmuls in fp16 accumulating in fp32; bind-params then stores
+        # the weights in fp16 (half the bytes to stream per inference).
+        "mixed-precision": lambda: [t.ToMixedPrecision(out_dtype="float32")],
         # Off by default (--fast-math): GELU as tanh, fast exp/erf/tanh/softmax.
         "fast-math": passes.fast_math,
         "legalize": lambda: [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant()],
@@ -34,8 +38,9 @@ def _passes() -> dict[str, Callable[[], list]]:
     }
 
 
-PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "bind-params", "dce", "fast-math", "legalize", "fuse")
-DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name != "fast-math")
+PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "mixed-precision", "bind-params", "dce", "fast-math", "legalize", "fuse")
+OPT_IN = ("mixed-precision", "fast-math")  # added by --dtype float16 and --fast-math
+DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name not in OPT_IN)
 
 
 def check_pass_names(names, where: str = "options") -> None:
@@ -47,9 +52,13 @@ def check_pass_names(names, where: str = "options") -> None:
 def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
     check_pass_names(disable, "--disable")
     passes = job.config.passes if job.config.passes is not None else DEFAULT_PASSES
-    if job.config.fast_math and "fast-math" not in passes:
-        at = passes.index("legalize") if "legalize" in passes else len(passes)
-        passes = (*passes[:at], "fast-math", *passes[at:])
+    wanted = {"fast-math": job.config.fast_math, "mixed-precision": job.config.dtype in MIXED_PRECISION}
+    for name, on in wanted.items():
+        if on and name not in passes:
+            # In its canonical place: before the first pass that comes after it in PASS_NAMES.
+            rank = PASS_NAMES.index(name)
+            at = next((i for i, other in enumerate(passes) if PASS_NAMES.index(other) > rank), len(passes))
+            passes = (*passes[:at], name, *passes[at:])
     return tuple(name for name in passes if name not in disable)
 
 

@@ -6,6 +6,7 @@ import platform
 
 from . import artifacts, models
 from .artifacts import Artifact
+from .config import torch_dtype
 from .errors import StageFailed
 from .job import Job
 
@@ -40,7 +41,7 @@ def trace(job: Job, force: bool = False) -> Artifact:
         job.say(f"trace: cached ({path})")
         return hit
     job.say(f"trace: exporting {job.source.name} ({batch} x {seq_len}, {job.config.dtype}) with torch.export")
-    model = models.load(job.source, job.config.dtype, job.config.seed)
+    model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     try:
         with torch.no_grad():
             program = torch.export.export(model, job.inputs.as_tuple())
