@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 
@@ -142,14 +143,14 @@ def test_gelu_is_exact_unless_fast_math_is_asked_for(tvmbert):
     assert "nn.gelu" not in optimized.json["per_pass"][optimized.json["passes"].index("fast-math")]["ops"]
 
 
-def test_float16_mixed_precision(tvmbert, workdir):
-    import numpy as np
+@pytest.mark.parametrize("dtype, measured", [("float16", 2e-3), ("bfloat16", 1e-2)])
+def test_mixed_precision(tvmbert, workdir, dtype, measured):
+    from tvmbert.convert import load_params
 
-    outcome = tvmbert("verify", "bert-tiny", "--dtype", "float16", "--json")
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", dtype, "--json")
     assert outcome.code == 0, outcome.stderr
-    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 2e-3  # measured ~2e-4 against fp32 PyTorch
-    (params,) = workdir.glob("bert-tiny/b1-s14-float16/*/build/params.npz")
-    with np.load(params) as weights:
-        dtypes = {weights[name].dtype for name in weights.files}
-    assert np.dtype("float16") in dtypes  # the matmul weights are stored, and streamed, in half precision
-    assert tvmbert("verify", "bert-tiny", "--dtype", "bfloat16").code == 2
+    # Against fp32 PyTorch: measured ~2e-4 (float16) and ~1.4e-3 (bfloat16), well inside the bound.
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= measured
+    (params,) = workdir.glob(f"bert-tiny/b1-s14-{dtype}/*/build/params.npz")
+    dtypes = {array.dtype.name for array in load_params(params).values()}
+    assert dtype in dtypes  # the matmul weights are stored, and streamed, in reduced precision

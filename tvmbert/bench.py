@@ -29,7 +29,7 @@ from .targets import HOST_CPUS, cpu_count
 MAX_RUNS_FACTOR = 50  # a safety stop: never more than repeat x this many runs per engine
 ROUND_RUNS = 3  # consecutive runs of one engine per round: less cross-engine cache and thread-pool noise
 # A sanity check of each engine, not verify's bar. In float16 mode the peers run in float32.
-CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2}
+CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2}
 ENGINES = ("tvm", "torch-eager", "torch-sdpa", "torch-compile", "onnxruntime")
 
 
@@ -77,7 +77,7 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def _tvm(job: Job, inputs, threads: int) -> Engine:
+def _tvm(job: Job, inputs) -> Engine:
     built = job.upstream("build", build)
     compiled = CompiledModel(built, job.target.device())
     device_inputs = compiled.to_device([t.numpy() for t in inputs])
@@ -91,7 +91,7 @@ def _tvm(job: Job, inputs, threads: int) -> Engine:
     return engine
 
 
-def _torch(job: Job, inputs, threads: int, attention: str, compiled: bool = False) -> Engine:
+def _torch(job: Job, inputs, attention: str, compiled: bool = False) -> Engine:
     import torch
 
     model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation=attention)
@@ -139,10 +139,10 @@ def _available(name: str) -> str | None:
 
 def _make(name: str, job: Job, inputs, threads: int) -> Engine:
     factories = {
-        "tvm": lambda: _tvm(job, inputs, threads),
-        "torch-eager": lambda: _torch(job, inputs, threads, "eager"),
-        "torch-sdpa": lambda: _torch(job, inputs, threads, "sdpa"),
-        "torch-compile": lambda: _torch(job, inputs, threads, "sdpa", compiled=True),
+        "tvm": lambda: _tvm(job, inputs),
+        "torch-eager": lambda: _torch(job, inputs, "eager"),
+        "torch-sdpa": lambda: _torch(job, inputs, "sdpa"),
+        "torch-compile": lambda: _torch(job, inputs, "sdpa", compiled=True),
         "onnxruntime": lambda: _onnxruntime(job, inputs, threads),
     }
     before, started = _rss_mb(), time.perf_counter()

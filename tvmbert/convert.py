@@ -82,12 +82,25 @@ def load_module(folder):
     return tvm.ir.load_json((folder / MODULE_FILE).read_text())
 
 
+BFLOAT16_SUFFIX = "__bfloat16"  # npz has no bfloat16: such arrays are stored as their uint16 bits
+
+
 def save_params(path, weights: dict[str, np.ndarray]) -> None:
     """Ordered as the function's weight parameters; npz keeps the insertion order."""
+    stored = {
+        (f"{name}{BFLOAT16_SUFFIX}" if array.dtype.name == "bfloat16" else name):
+        (array.view(np.uint16) if array.dtype.name == "bfloat16" else array)
+        for name, array in weights.items()
+    }
     with open(path, "wb") as handle:
-        np.savez(handle, **weights)
+        np.savez(handle, **stored)
 
 
 def load_params(path) -> dict[str, np.ndarray]:
+    import ml_dtypes
+
     with np.load(path) as data:
-        return {name: data[name] for name in data.files}
+        return {
+            name.removesuffix(BFLOAT16_SUFFIX): data[name].view(ml_dtypes.bfloat16) if name.endswith(BFLOAT16_SUFFIX) else data[name]
+            for name in data.files
+        }

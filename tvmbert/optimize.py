@@ -14,7 +14,7 @@ from .errors import InputError
 from .job import Job
 
 
-def _passes() -> dict[str, Callable[[], list]]:
+def _passes(dtype: str) -> dict[str, Callable[[], list]]:
     from tvm import relax
 
     t = relax.transform
@@ -28,9 +28,10 @@ def _passes() -> dict[str, Callable[[], list]]:
         "combine-qkv": lambda: [passes.combine_parallel_matmuls()],
         "cse": lambda: [t.EliminateCommonSubexpr()],
         "dce": lambda: [t.DeadCodeElimination()],
-        # Added for --dtype float16: matmuls in fp16 accumulating in fp32; bind-params then stores
-        # the weights in fp16 (half the bytes to stream per inference).
-        "mixed-precision": lambda: [t.ToMixedPrecision(out_dtype="float32")],
+        # Added for --dtype float16/bfloat16: matmuls in reduced precision accumulating in fp32;
+        # bind-params then stores those weights in it (half the bytes to stream per inference).
+        "mixed-precision": lambda: [t.ToMixedPrecision(out_dtype="float32") if dtype == "float16"
+                                    else passes.reduced_precision_matmuls(dtype)],
         # Off by default (--fast-math): GELU as tanh, fast exp/erf/tanh/softmax.
         "fast-math": passes.fast_math,
         "legalize": lambda: [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant()],
@@ -39,7 +40,7 @@ def _passes() -> dict[str, Callable[[], list]]:
 
 
 PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "mixed-precision", "bind-params", "dce", "fast-math", "legalize", "fuse")
-OPT_IN = ("mixed-precision", "fast-math")  # added by --dtype float16 and --fast-math
+OPT_IN = ("mixed-precision", "fast-math")  # added by --dtype float16/bfloat16 and --fast-math
 DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name not in OPT_IN)
 
 
@@ -92,7 +93,7 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
     import tvm
 
     module = load_module(converted.path)
-    registry = _passes()
+    registry = _passes(job.config.dtype)
     ops_before = count_ops(module)
     if job.config.dtype not in ("float32", "float16"):
         # TVM legalizes layer_norm in float32/float16 only (FoldConstant legalizes too, to try):

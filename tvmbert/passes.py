@@ -133,6 +133,35 @@ def _combiner_class():
 
 
 
+def reduced_precision_matmuls(dtype: str):
+    """Matmul inputs cast to ``dtype``, accumulation kept in float32; the rest stays float32.
+
+    TVM 0.27's ToMixedPrecision produces float16 only; this is the same policy for bfloat16
+    (AMX and AVX512-BF16 on this CPU). bind-params then stores the cast weights.
+    """
+    import tvm
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class CastMatmuls(relax.PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if getattr(call.op, "name", None) == "relax.matmul" and call.args[0].ty.dtype == "float32":
+                lhs, rhs = (self.builder_.emit(relax.op.astype(arg, dtype)) for arg in call.args[:2])
+                return relax.op.matmul(lhs, rhs, out_dtype="float32")
+            return call
+
+    @tvm.transform.module_pass(opt_level=0, name="ReducedPrecisionMatmuls")
+    def transform(module, _context):
+        rewriter = CastMatmuls(module)
+        for global_var, function in module.functions_items():
+            if isinstance(function, relax.Function):
+                rewriter.builder_.update_func(global_var, rewriter.visit_expr(function))
+        return rewriter.builder_.get()
+
+    return transform
+
+
 def fast_math():
     """Opt-in approximations: GELU as its tanh form, and TVM's fast exp/erf/tanh/softmax.
 
