@@ -132,34 +132,21 @@ def _combiner_class():
     return Combiner
 
 
-
 def reduced_precision_matmuls(dtype: str):
     """Matmul inputs cast to ``dtype``, accumulation kept in float32; the rest stays float32.
 
     TVM 0.27's ToMixedPrecision produces float16 only; this is the same policy for bfloat16
     (AMX and AVX512-BF16 on this CPU). bind-params then stores the cast weights.
     """
-    import tvm
     from tvm import relax
 
-    @relax.expr_functor.mutator
-    class CastMatmuls(relax.PyExprMutator):
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            if getattr(call.op, "name", None) == "relax.matmul" and call.args[0].ty.dtype == "float32":
-                lhs, rhs = (self.builder_.emit(relax.op.astype(arg, dtype)) for arg in call.args[:2])
-                return relax.op.matmul(lhs, rhs, out_dtype="float32")
-            return call
+    def cast(builder, call):
+        if getattr(call.op, "name", None) == "relax.matmul" and call.args[0].ty.dtype == "float32":
+            lhs, rhs = (builder.emit(relax.op.astype(arg, dtype)) for arg in call.args[:2])
+            return relax.op.matmul(lhs, rhs, out_dtype="float32")
+        return call
 
-    @tvm.transform.module_pass(opt_level=0, name="ReducedPrecisionMatmuls")
-    def transform(module, _context):
-        rewriter = CastMatmuls(module)
-        for global_var, function in module.functions_items():
-            if isinstance(function, relax.Function):
-                rewriter.builder_.update_func(global_var, rewriter.visit_expr(function))
-        return rewriter.builder_.get()
-
-    return transform
+    return _call_rewrite_pass("ReducedPrecisionMatmuls", cast)
 
 
 def fast_math():
@@ -168,23 +155,30 @@ def fast_math():
     The seed post found its converter silently turning GELU into FastGELU; here exact GELU (erf)
     is the default and this pass is the one way to give it up, with verify reporting the error.
     """
+    from tvm import relax
+
+    def tanh_gelu(_builder, call):
+        return relax.op.nn.gelu_tanh(call.args[0]) if getattr(call.op, "name", None) == "relax.nn.gelu" else call
+
+    return [_call_rewrite_pass("TanhGelu", tanh_gelu), relax.transform.FastMathTransform()]
+
+
+def _call_rewrite_pass(name: str, rewrite):
+    """A module pass applying ``rewrite(builder, call) -> expr`` to every call of every Relax function."""
     import tvm
     from tvm import relax
 
     @relax.expr_functor.mutator
-    class TanhGelu(relax.PyExprMutator):
+    class Rewriter(relax.PyExprMutator):
         def visit_call_(self, call):
-            call = super().visit_call_(call)
-            if getattr(call.op, "name", None) == "relax.nn.gelu":
-                return relax.op.nn.gelu_tanh(call.args[0])
-            return call
+            return rewrite(self.builder_, super().visit_call_(call))
 
-    @tvm.transform.module_pass(opt_level=0, name="TanhGelu")
-    def tanh_gelu(module, _context):
-        rewriter = TanhGelu(module)
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def transform(module, _context):
+        rewriter = Rewriter(module)
         for global_var, function in module.functions_items():
             if isinstance(function, relax.Function):
                 rewriter.builder_.update_func(global_var, rewriter.visit_expr(function))
         return rewriter.builder_.get()
 
-    return [tanh_gelu, relax.transform.FastMathTransform()]
+    return transform
