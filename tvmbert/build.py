@@ -99,8 +99,7 @@ def _transform_params(module, params: dict) -> dict:
     import tvm
     from tvm import relax
 
-    transform = tvm.IRModule({gv: f for gv, f in module.functions_items() if gv.name_hint != "main"})
-    transform = relax.transform.DeadCodeElimination(["main_transform_params"])(transform)
+    transform = tuning_db.entry_module(module, "main_transform_params")
     vm = relax.VirtualMachine(tvm.compile(transform, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
     outputs = vm["main_transform_params"]([tvm.runtime.tensor(w) for w in params.values()])
     return {f"w{i:04d}": out.numpy() for i, out in enumerate(outputs)}

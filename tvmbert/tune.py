@@ -44,6 +44,10 @@ class TaskProgress:
     new_trials: int = 0
     best_us: float | None = None
 
+    def remaining(self, retune: bool) -> int:
+        """Trials still owed: a resumed task continues; --retune spends the whole budget again."""
+        return self.budget - (0 if retune else self.existing)
+
 
 @dataclass
 class TuneResult:
@@ -90,15 +94,15 @@ def plan(tasks: list[tuning_db.Task], trials: int, per_task: int | None) -> dict
     Computed over every non-trivial task, tuned or not, so that a resumed run plans the same
     shares as the run it continues.
     """
-    costly = sorted((t for t in tasks if not t.trivial), key=lambda t: -max(t.flops, 1.0) * t.weight)
+    costly = sorted((t for t in tasks if not t.trivial), key=lambda t: -t.cost)
     cap = per_task or trials
     floor = min(MIN_TRIALS_PER_TASK, cap) or 1
     funded = costly[: min(len(costly), trials // floor)]
-    total_cost = sum(max(t.flops, 1.0) * t.weight for t in funded) or 1.0
+    total_cost = sum(t.cost for t in funded) or 1.0
     spare = trials - floor * len(funded)
     budgets = {t.name: 0 for t in costly}
     for task in funded:
-        share = int(spare * max(task.flops, 1.0) * task.weight / total_cost)
+        share = int(spare * task.cost / total_cost)
         budgets[task.name] = min(cap, floor + share)
     return budgets
 
@@ -137,9 +141,12 @@ def tune(job: Job, retune: bool = False) -> TuneResult:
             elif _workload_key(task) in done and not retune:
                 status = "done"
             else:
-                status = "todo" if budgets.get(task.name, 0) > (0 if retune else existing) else ("done" if existing else "no budget")
-            progress.append(TaskProgress(task.name, task.flops, task.weight, budgets.get(task.name, 0), existing, status,
-                                         best_us=_best_us(database, task)))
+                status = "todo"
+            state = TaskProgress(task.name, task.flops, task.weight, budgets.get(task.name, 0), existing, status,
+                                 best_us=_best_us(database, task))
+            if state.status == "todo" and state.remaining(retune) <= 0:
+                state.status = "done" if existing else "no budget"
+            progress.append(state)
         todo = [(task, p) for task, p in zip(tasks, progress) if p.status == "todo"]
         if todo:
             _run(job, todo, database, log_dir, servers, retune, progress, started)
@@ -178,15 +185,15 @@ def _run(job: Job, todo, database, log_dir: Path, servers: int, retune: bool, pr
     builder = measure.make_builder(cpu=job.target.kind == "llvm", workers=cpu_count())
     runner = measure.make_rpc_runner(job.config.tune.rpc_tracker, job.config.tune.rpc_key, servers) if remote \
         else measure.make_local_runner()
-    planned = sum(p.budget - (0 if retune else p.existing) for _, p in todo)
+    planned = sum(p.remaining(retune) for _, p in todo)
     where = f"RPC tracker {job.config.tune.rpc_tracker} ({servers} '{job.config.tune.rpc_key}' devices)" if remote else "this machine"
     job.say(f"tune: {len(todo)} tasks, {planned} trials, measured on {where}, into {log_dir}")
     scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
     view = _ProgressView(progress, planned, started)
     try:
         with Live(view.table(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
-            for task, state in sorted(todo, key=lambda item: -max(item[0].flops, 1.0) * item[0].weight):
-                remaining = state.budget - (0 if retune else state.existing)
+            for task, state in sorted(todo, key=lambda item: -item[0].cost):
+                remaining = state.remaining(retune)
                 state.status = "tuning"
                 live.update(view.table())
 

@@ -27,18 +27,29 @@ class Task:
     flops: float
 
     @property
+    def cost(self) -> float:
+        """What the task weighs in one inference: flops x calls (at least 1 flop, to rank the rest)."""
+        return max(self.flops, 1.0) * self.weight
+
+    @property
     def trivial(self) -> bool:
         """No arithmetic (reshape, take, cast...): not worth a trial."""
         return self.flops == 0
 
 
-def inference_module(module):
-    """main alone: the weight transforms run once at build time and are not worth tuning."""
+def entry_module(module, entry: str):
+    """``entry`` and what it calls, nothing else (DCE alone keeps the other Relax entry points)."""
     import tvm
     from tvm import relax
 
-    only_main = tvm.IRModule({gv: func for gv, func in module.functions_items() if gv.name_hint != "main_transform_params"})
-    return relax.transform.DeadCodeElimination(["main"])(only_main)
+    kept = tvm.IRModule({gv: f for gv, f in module.functions_items()
+                         if gv.name_hint == entry or not isinstance(f, relax.Function)})
+    return relax.transform.DeadCodeElimination([entry])(kept)
+
+
+def inference_module(module):
+    """main alone: the weight transforms run once at build time and are not worth tuning."""
+    return entry_module(module, "main")
 
 
 def extract_tasks(module, target) -> list[Task]:
