@@ -37,14 +37,14 @@ class Task:
         return self.flops == 0
 
 
-def entry_module(module, entry: str):
-    """``entry`` and what it calls, nothing else (DCE alone keeps the other Relax entry points)."""
+def entry_module(module, *entries: str):
+    """The ``entries`` and what they call, nothing else (DCE alone keeps the other Relax entry points)."""
     import tvm
     from tvm import relax
 
     kept = tvm.IRModule({gv: f for gv, f in module.functions_items()
-                         if gv.name_hint == entry or not isinstance(f, relax.Function)})
-    return relax.transform.DeadCodeElimination([entry])(kept)
+                         if gv.name_hint in entries or not isinstance(f, relax.Function)})
+    return relax.transform.DeadCodeElimination(list(entries))(kept)
 
 
 def inference_module(module):
@@ -52,12 +52,13 @@ def inference_module(module):
     return entry_module(module, "main")
 
 
-def extract_tasks(module, target) -> list[Task]:
+def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
+    """The kernels the ``entries`` call (main: inference), with their call counts."""
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 
     tasks = []
-    for extracted in ms.relax_integration.extract_tasks(inference_module(module), target.tvm_target()):
+    for extracted in ms.relax_integration.extract_tasks(entry_module(module, *entries), target.tvm_target()):
         workload = extracted.dispatched[0]
         try:
             flops = float(estimate_tir_flops(workload))

@@ -1,0 +1,338 @@
+"""TVM inside PyTorch training: a module's forward and backward compiled by Relax, run by autograd.
+
+``add_tvm_dispatch(module, sample_inputs)`` exports the module at the sample's shapes, derives
+forward and backward with ``relax.transform.Gradient`` (see ``autodiff``), compiles both with
+the target's tuning database and routes matching calls through a ``torch.autograd.Function``.
+Tensors cross between PyTorch and TVM through DLPack, without copies.
+
+Dropout: Relax's importer turns dropout into identity, so each dropout becomes a multiplication
+by a mask that is an input of the compiled functions. At call time the masks are drawn by
+PyTorch, site by site in the order the module calls dropout, exactly as PyTorch's own CPU
+dropout draws them (``bernoulli_(1 - p)`` on a tensor like the input, divided by ``1 - p``): with
+the same seed, TVM and PyTorch compute the same function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import autodiff, targets, tuning_db
+from .errors import InputError, StageFailed
+
+ATTRIBUTE = "_tvmbert_dispatch"
+
+
+@dataclass(frozen=True)
+class DropoutSite:
+    shape: tuple[int, ...]
+    dtype: object  # torch.dtype
+    p: float
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a call must match to run in TVM."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple
+    device: str
+
+    @classmethod
+    def of(cls, tensors) -> Signature:
+        return cls(tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors), str(tensors[0].device))
+
+    def describe(self) -> str:
+        return ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in zip(self.shapes, self.dtypes)) \
+            + f" on {self.device}"
+
+
+@dataclass
+class Compiled:
+    """One training mode's forward and backward, and how their arguments map to the module's."""
+
+    vm: object
+    device: object  # tvm Device
+    dropout: list[DropoutSite]
+    params: list[str]  # module parameter/buffer names, in the order the functions take them
+    n_inputs: int
+    n_outputs: int
+    out_spec: object  # pytree spec of the module's output
+    split: autodiff.Split
+    tasks_tuned: int = 0
+    tasks_total: int = 0
+    untuned: list[str] = field(default_factory=list)
+
+    @property
+    def n_primal(self) -> int:
+        return self.n_inputs + len(self.dropout) + len(self.params)
+
+
+def add_tvm_dispatch(module, sample_inputs, target: str = "llvm", log_dir: str | Path = "tuning_logs",
+                     verbose: bool = False):
+    """Run ``module`` in TVM, forward and backward, for calls shaped like ``sample_inputs``.
+
+    Other calls (shapes, dtypes, device, keyword arguments) fall back to the module's own
+    forward; with ``verbose`` each new fallback signature is reported once, on stderr.
+    """
+    import torch
+
+    if hasattr(module, ATTRIBUTE):
+        remove_tvm_dispatch(module)
+    inputs = (sample_inputs,) if isinstance(sample_inputs, torch.Tensor) else tuple(sample_inputs)
+    if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+        raise InputError("add_tvm_dispatch: sample_inputs must be a tensor or a tuple of tensors")
+    dispatch = _Dispatch(module, inputs, targets.resolve(target), Path(log_dir), verbose)
+    dispatch.compiled_for(dispatch.mode())  # compile now, for the module's current mode
+    setattr(module, ATTRIBUTE, dispatch)
+    module.forward = dispatch
+    return module
+
+
+def remove_tvm_dispatch(module):
+    dispatch = module.__dict__.pop(ATTRIBUTE, None)
+    if dispatch is not None:
+        module.__dict__.pop("forward", None)
+    return module
+
+
+def dispatch_of(module) -> _Dispatch:
+    return getattr(module, ATTRIBUTE)
+
+
+class _Dispatch:
+    def __init__(self, module, sample_inputs, target, log_dir: Path, verbose: bool):
+        self.module = module
+        self.original_forward = module.forward
+        self.signature = Signature.of(sample_inputs)
+        self.sample_inputs = tuple(t.detach() for t in sample_inputs)
+        self.target = target
+        self.log_dir = log_dir / target.key
+        self.verbose = verbose
+        self.compiled: dict[tuple, Compiled] = {}
+        self.reported: set = set()
+        self.function = _autograd_function(type(module).__name__)
+        self.calls = {"tvm": 0, "fallback": 0}
+
+    def mode(self) -> tuple[bool, ...]:
+        return tuple(m.training for m in self.module.modules())
+
+    def __call__(self, *args, **kwargs):
+        import torch
+
+        if kwargs or len(args) != len(self.signature.shapes) or not all(isinstance(a, torch.Tensor) for a in args) \
+                or Signature.of(args) != self.signature:
+            self._fallback_note(args, kwargs)
+            self.calls["fallback"] += 1
+            return self.original_forward(*args, **kwargs)
+        compiled = self.compiled_for(self.mode())
+        masks = [_draw_mask(site, args[0].device) for site in compiled.dropout]
+        params = [_lookup(self.module, name) for name in compiled.params]
+        self.calls["tvm"] += 1
+        outputs = self.function.apply(compiled, *args, *masks, *params)
+        return torch.utils._pytree.tree_unflatten(list(outputs), compiled.out_spec)
+
+    def _fallback_note(self, args, kwargs) -> None:
+        if not self.verbose:
+            return
+        import torch
+
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        key = (Signature.of(tensors) if tensors else None, tuple(sorted(kwargs)), len(args))
+        if key not in self.reported:
+            self.reported.add(key)
+            got = key[0].describe() if key[0] else "no tensors"
+            print(f"tvmbert: {type(self.module).__name__} called with {got}"
+                  + (f" and keywords {', '.join(kwargs)}" if kwargs else "")
+                  + f": runs in PyTorch (TVM is compiled for {self.signature.describe()})", file=sys.stderr)
+
+    def compiled_for(self, mode: tuple[bool, ...]) -> Compiled:
+        if mode not in self.compiled:
+            self.compiled[mode] = compile_module(self.original_forward, self.module, self.sample_inputs,
+                                                 self.target, self.log_dir)
+        return self.compiled[mode]
+
+
+def _autograd_function(name: str):
+    """A Function class per module type, so ``grad_fn`` reads ``TVM<Module>Backward``."""
+    import torch
+
+    def forward(ctx, compiled: Compiled, *tensors):
+        results = run(compiled, "forward", tensors)
+        outputs, saved = results[:compiled.n_outputs], results[compiled.n_outputs:]
+        ctx.compiled = compiled
+        ctx.save_for_backward(*[tensors[i] for i in compiled.split.backward_primal], *saved)
+        return tuple(outputs)
+
+    def backward(ctx, *grad_outputs):
+        compiled = ctx.compiled
+        grads = run(compiled, "backward", (*ctx.saved_tensors, *[g.contiguous() for g in grad_outputs]))
+        result = [None] * compiled.n_primal
+        for index, grad in zip(compiled.split.grad_of, grads):
+            if ctx.needs_input_grad[1 + index]:
+                result[index] = grad
+        return (None, *result)
+
+    return type(f"TVM{name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+def run(compiled: Compiled, function: str, tensors) -> list:
+    """One VM call: PyTorch tensors in and out through DLPack, no copies."""
+    import torch
+    import tvm
+
+    args = [tvm.runtime.from_dlpack(t.detach().contiguous()) for t in tensors]
+    results = compiled.vm[function](*args)
+    return [torch.from_dlpack(r) for r in results]
+
+
+def _draw_mask(site: DropoutSite, device):
+    """What PyTorch's dropout multiplies by, drawn the way it draws it."""
+    import torch
+
+    if site.p >= 1:
+        return torch.zeros(site.shape, dtype=site.dtype, device=device)
+    return torch.empty(site.shape, dtype=site.dtype, device=device).bernoulli_(1 - site.p).div_(1 - site.p)
+
+
+def _lookup(module, name: str):
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
+
+
+@contextlib.contextmanager
+def _dropout_replaced(replacement):
+    import torch
+
+    original = torch.nn.functional.dropout
+    torch.nn.functional.dropout = replacement
+    try:
+        yield original
+    finally:
+        torch.nn.functional.dropout = original
+
+
+def dropout_sites(forward, inputs) -> list[DropoutSite]:
+    """The dropouts one call makes, in order; the random state is left as it was."""
+    import torch
+
+    sites = []
+
+    def recording(input, p=0.5, training=True, inplace=False):
+        if training and p > 0:
+            sites.append(DropoutSite(tuple(input.shape), input.dtype, float(p)))
+        return input
+
+    devices = [inputs[0].device] if inputs[0].device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), _dropout_replaced(recording):
+        forward(*inputs)
+    return sites
+
+
+def _with_masks(forward, n_inputs: int):
+    """The module as a function of (inputs, dropout masks), for export."""
+    import torch
+
+    class WithMasks(torch.nn.Module):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = owner  # registers the parameters under "owner."
+
+        def forward(self, *args):
+            inputs, masks = args[:n_inputs], list(args[n_inputs:])
+
+            def masked(input, p=0.5, training=True, inplace=False):
+                return input * masks.pop(0) if training and p > 0 else input
+
+            with _dropout_replaced(masked):
+                return forward(*inputs)
+
+    return WithMasks
+
+
+def export(forward, module, inputs):
+    """(Relax main, dropout sites, parameter names, output pytree spec) at the inputs' shapes."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from .convert import dtype_preserving_matmuls
+
+    sites = dropout_sites(forward, inputs)
+    masks = [torch.ones(s.shape, dtype=s.dtype, device=inputs[0].device) for s in sites]
+    wrapper = _with_masks(forward, len(inputs))(module)
+    try:
+        program = torch.export.export(wrapper, (*inputs, *masks))
+    except Exception as exc:
+        raise InputError(f"add_tvm_dispatch: torch.export cannot trace {type(module).__name__}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    relax_module = from_exported_program(program, keep_params_as_input=True,
+                                         custom_convert_map=dtype_preserving_matmuls())
+    main = relax_module["main"]
+    targets_by_arg = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target}
+    n_primal = len(inputs) + len(sites)
+    params = [targets_by_arg[p.name].removeprefix("owner.") for p in main.params[n_primal:]]
+    return main, sites, params, program.call_spec.out_spec
+
+
+def training_module(forward, module, inputs):
+    """The IRModule with "forward" and "backward", before lowering, and what goes with it."""
+    import torch
+
+    main, sites, params, out_spec = export(forward, module, inputs)
+    n_primal = len(inputs) + len(sites)
+    wrt = [i for i, t in enumerate(inputs) if t.is_floating_point()]
+    wrt += [n_primal + i for i, name in enumerate(params)
+            if isinstance(_lookup(module, name), torch.nn.Parameter) and _lookup(module, name).is_floating_point()]
+    split = autodiff.differentiate(main, wrt)
+    n_outputs = len(main.ret_ty.fields) if hasattr(main.ret_ty, "fields") else 1
+    return split, sites, params, out_spec, n_outputs
+
+
+def lower(module):
+    """The inference pipeline's lowering: legalize, fuse, and constant folding."""
+    import tvm
+    from tvm import relax
+
+    t = relax.transform
+    return tvm.transform.Sequential([
+        t.FoldConstant(), t.EliminateCommonSubexpr(), t.DeadCodeElimination(["forward", "backward"]),
+        t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
+        t.DeadCodeElimination(["forward", "backward"]),
+    ])(module)
+
+
+def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
+    import tvm
+    from tvm import relax
+
+    split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
+    lowered = lower(split.module)
+    tvm_target = target.tvm_target()
+    database = tuning_db.open_database(log_dir, live=tuning_db.tuning_active(log_dir)) if log_dir.is_dir() else None
+    tasks = [t for t in extract_tasks(lowered, target) if not t.trivial]
+    untuned = [t.name for t in tasks if database is None or not tuning_db.is_tuned(database, t)]
+    with tvm_target:
+        if database is not None and len(database):
+            with database:
+                lowered = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(lowered)
+        if target.is_gpu:
+            from .build import _default_gpu_schedules
+
+            lowered = _default_gpu_schedules()(lowered)
+    try:
+        executable = tvm.compile(lowered, tvm_target)
+    except Exception as exc:
+        raise StageFailed(f"TVM build of {type(module).__name__} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
+    device = tvm.device(inputs[0].device.type, inputs[0].device.index or 0)
+    vm = relax.VirtualMachine(executable, device)
+    return Compiled(vm, device, sites, params, len(inputs), n_outputs, out_spec, split,
+                    len(tasks) - len(untuned), len(tasks), untuned)
+
+
+def extract_tasks(lowered, target) -> list[tuning_db.Task]:
+    return tuning_db.extract_tasks(lowered, target, entries=("forward", "backward"))
