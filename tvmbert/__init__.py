@@ -20,10 +20,12 @@ from .job import Job
 from .optimize import optimize
 from .pipeline import run
 from .trace import trace
+from .training import add_tvm_dispatch, remove_tvm_dispatch
 from .tune import tune
-from .verify import verify
+from .verify import verify, verify_training
 
 __all__ = [
     "BenchOptions", "CheckFailed", "InputError", "Job", "JobConfig", "TuneOptions", "TvmbertError", "VerifyOptions",
-    "bench", "build", "convert", "load_config", "optimize", "run", "trace", "tune", "verify",
+    "add_tvm_dispatch", "bench", "build", "convert", "load_config", "optimize", "remove_tvm_dispatch", "run", "trace",
+    "tune", "verify", "verify_training",
 ]

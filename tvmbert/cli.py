@@ -157,13 +157,14 @@ def optimize(as_json, force, passes, disable, viz, **params):
 @click.option("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker to measure on.")
 @click.option("--rpc-key", help="Device key registered with the tracker.")
 @click.option("--retune", is_flag=True, help="Spend trials on tasks that are already tuned too.")
+@click.option("--train", is_flag=True, help="Tune the forward and backward kernels of encoder layer 0 (add_tvm_dispatch).")
 @_quiet_warnings
-def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, **params):
+def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, train, **params):
     """Tune the model's kernels with MetaSchedule into the target's database."""
     from .tune import tune as run
 
     overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
-    result = run(_job(params, overrides), retune=retune).to_json()
+    result = run(_job(params, overrides), retune=retune, train=train).to_json()
     _emit(as_json, result, _print_tune)
 
 
@@ -183,12 +184,19 @@ def build(as_json, force, **params):
 @_common
 @click.option("--samples", type=int, help="Inputs compared (the example, then padded random ones).")
 @click.option("--tolerance", type=float, help="Max abs diff allowed (default 1e-4 fp32, 1e-10 fp64).")
+@click.option("--train", is_flag=True, help="Check encoder layer 0 in training through add_tvm_dispatch: "
+              "forward, every gradient and one optimizer step, dropout on.")
 @_quiet_warnings
-def verify(as_json, samples, tolerance, **params):
+def verify(as_json, samples, tolerance, train, **params):
     """Compare every output with PyTorch; exit 1 when over tolerance."""
-    from .verify import check
+    from .verify import check, check_training, verify_training
     from .verify import verify as run
 
+    if train:
+        result = verify_training(_job(params))
+        _emit(as_json, result.to_json(), _print_verify_training)
+        check_training(result)
+        return
     result = run(_job(params, {"verify.samples": samples, "verify.tolerance": tolerance}))
     _emit(as_json, result.to_json(), _print_verify)
     check(result)
@@ -205,13 +213,18 @@ def verify(as_json, samples, tolerance, **params):
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the results as CSV.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also plot latency vs sequence length (PNG).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Also write a Markdown table (docs).")
+@click.option("--train", is_flag=True, help="Time encoder layer 0 forward + backward (add_tvm_dispatch) against PyTorch.")
 @_quiet_warnings
-def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, **params):
+def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, **params):
     """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
     from .artifacts import write_text
     from .bench import bench as run
-    from .bench import plot, to_csv, to_markdown
+    from .bench import bench_training, plot, to_csv, to_markdown
 
+    if train:
+        overrides = {"bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
+        _emit(as_json, bench_training(_job(params, overrides)), _print_bench_training)
+        return
     batches = _numbers(params["batch"], "--batch", many=True)
     seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
     paddings = _numbers(padding, "--padding", kind=float, many=True) or (0.0,)
@@ -295,6 +308,42 @@ def _print_verify(result):
     out.print(table)
     verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
     out.print(f"verify: {verdict} max abs diff {result['max_abs_diff']:.3g} (tolerance {result['tolerance']:.3g})")
+
+
+def _print_verify_training(result):
+    table = Table(title=f"verify --train: {result['layer']} {'x'.join(map(str, result['shape']))}, {result['dtype']}, "
+                        f"dropout on, against PyTorch ({result['target']}, {result['tasks_tuned']}/{result['tasks_total']} tasks tuned)")
+    table.add_column("tensor")
+    table.add_column("max abs diff", justify="right")
+    table.add_column("tolerance", justify="right")
+    table.add_row("forward output", f"{result['forward_max_abs_diff']:.3g}", f"{result['forward_tolerance']:.3g}")
+    for name, diff in result["grads"].items():
+        table.add_row(f"grad {name}", f"{diff:.3g}", f"{result['grad_tolerance']:.3g}")
+    table.add_row("parameters after one SGD step", f"{result['step_max_abs_diff']:.3g}", f"{result['grad_tolerance']:.3g}")
+    out.print(table)
+    fallback = result["fallback"]
+    out.print(f"fallback: a {'x'.join(map(str, fallback['shape']))} call ran in "
+              f"{'PyTorch' if fallback['ran_in_pytorch'] else 'TVM'} (max abs diff {fallback['max_abs_diff']:.3g})")
+    saved = result["saved_bytes"]
+    out.print(f"saved for backward: tvm {saved['tvm'] / 1024:,.1f} KiB, torch {saved['torch'] / 1024:,.1f} KiB")
+    verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
+    out.print(f"verify --train: {verdict}")
+
+
+def _print_bench_training(report):
+    env = report["environment"]
+    table = Table(title=f"{report['model']} {report['layer']} {'x'.join(map(str, report['shape']))} forward + backward, "
+                        f"{report['dtype']}, {env['threads']} threads, {env['target']}")
+    for column in ("engine", "median ms", "p90 ms", "runs", "setup s"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for name, stats in report["engines"].items():
+        table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", str(stats["runs"]), f"{stats['setup_s']:.1f}")
+    out.print(table)
+    saved = report["saved_bytes"]
+    out.print(f"saved for backward: tvm {saved['tvm'] / 1024:,.1f} KiB, torch {saved['torch'] / 1024:,.1f} KiB; "
+              f"{report['tasks_tuned']}/{report['tasks_total']} tasks tuned")
+    verdict = "tvm faster" if report["ratio"] < 1 else "tvm slower"
+    out.print(f"tvm median / torch-eager's: {report['ratio']:.2f} ({verdict})")
 
 
 def _print_bench(report):

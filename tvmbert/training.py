@@ -116,6 +116,18 @@ class _Dispatch:
         self.function = _autograd_function(type(module).__name__)
         self.calls = {"tvm": 0, "fallback": 0}
 
+    def __deepcopy__(self, memo):
+        """A copied module (an EMA copy, a checkpoint clone) dispatches too, sharing the compiled code."""
+        import copy
+
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin.module = copy.deepcopy(self.module, memo)
+        twin.original_forward = self.original_forward.__func__.__get__(twin.module)
+        twin.calls = {"tvm": 0, "fallback": 0}
+        twin.reported = set()
+        return twin
+
     def mode(self) -> tuple[bool, ...]:
         return tuple(m.training for m in self.module.modules())
 
@@ -294,14 +306,16 @@ def training_module(forward, module, inputs):
 
 
 def lower(module):
-    """The inference pipeline's lowering: legalize, fuse, and constant folding."""
+    """The inference pipeline's lowering, plus weight transposes folded into their matmuls: the
+    weights arrive as PyTorch keeps them ([out, in]) on every call, and a separate transpose
+    kernel would copy them all each time."""
     import tvm
     from tvm import relax
 
     t = relax.transform
     return tvm.transform.Sequential([
         t.FoldConstant(), t.EliminateCommonSubexpr(), t.DeadCodeElimination(["forward", "backward"]),
-        t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
+        t.FuseTransposeMatmul(), t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
         t.DeadCodeElimination(["forward", "backward"]),
     ])(module)
 
@@ -336,3 +350,48 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
 
 def extract_tasks(lowered, target) -> list[tuning_db.Task]:
     return tuning_db.extract_tasks(lowered, target, entries=("forward", "backward"))
+
+
+def job_layer(job):
+    """The job's first encoder layer in train mode, fed what it sees in the model: the
+    embeddings of the job's example input, and the additive attention mask."""
+    import torch
+
+    from . import models
+    from .config import torch_dtype
+
+    if job.config.dtype not in ("float32", "float64"):
+        raise InputError(f"training runs in float32 or float64, not {job.config.dtype}")
+    model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed).model
+    example = job.inputs
+    with torch.no_grad():
+        hidden = model.embeddings(input_ids=example.input_ids, token_type_ids=example.token_type_ids)
+    mask = (1.0 - example.attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+    return model.encoder.layer[0].train(), (hidden.detach(), mask)
+
+
+def layer_tasks(job) -> list[tuning_db.Task]:
+    """The forward and backward kernels ``add_tvm_dispatch`` compiles for the job's layer."""
+    layer, inputs = job_layer(job)
+    split, *_ = training_module(layer.forward, layer, inputs)
+    return extract_tasks(lower(split.module), job.target)
+
+
+def saved_activation_bytes(module, inputs) -> int:
+    """Bytes autograd keeps from one forward for its backward, beyond the parameters and inputs
+    (which are held anyway): measured the same way for PyTorch's own forward and for TVM's."""
+    import torch
+
+    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers(), *inputs)}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = module(*inputs)
+    del output
+    return sum(storages.values())

@@ -116,7 +116,9 @@ def _check_writable(log_dir: Path) -> None:
         raise InputError(f"tuning log directory {log_dir} is not writable: {exc.strerror or exc}") from None
 
 
-def tune(job: Job, retune: bool = False) -> TuneResult:
+def tune(job: Job, retune: bool = False, train: bool = False) -> TuneResult:
+    """Tunes the job's inference kernels, or with ``train`` the forward and backward kernels of its
+    first encoder layer (what ``add_tvm_dispatch`` compiles for ``bench --train``)."""
     options = job.config.tune
     log_dir = job.log_dir()
     servers = 0
@@ -126,8 +128,13 @@ def tune(job: Job, retune: bool = False) -> TuneResult:
         raise InputError(f"tuning measures candidates on the device, and this machine has no {job.target.kind} GPU: "
                          "pass --rpc-tracker HOST:PORT --rpc-key KEY of a tracker that serves one")
     _check_writable(log_dir)
-    optimized = job.upstream("optimize", optimize)
-    tasks = tuning_db.extract_tasks(load_module(optimized.path), job.target)
+    if train:
+        from . import training
+
+        tasks = training.layer_tasks(job)
+    else:
+        optimized = job.upstream("optimize", optimize)
+        tasks = tuning_db.extract_tasks(load_module(optimized.path), job.target)
     started = time.perf_counter()
     with tuning_db.locked(log_dir, say=job.say):
         database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))

@@ -20,6 +20,8 @@ DEFAULT_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat
 # --fast-math trades exactness for speed (tanh GELU, fast exp): verify reports the error it
 # measures (~2e-5 on bert-tiny); this bound only catches a broken approximation.
 FAST_MATH_TOLERANCE = 1e-2
+# verify --train: (forward, gradients and the parameters after one optimizer step).
+TRAIN_TOLERANCE = {"float32": (1e-5, 1e-4), "float64": (1e-10, 1e-10)}
 
 
 @dataclass
@@ -108,3 +110,112 @@ def verify(job: Job) -> VerifyResult:
 def check(result: VerifyResult) -> None:
     if not result.passed:
         raise CheckFailed(f"verify failed: max abs diff {result.max_abs_diff:.3g} > tolerance {result.tolerance:.3g}")
+
+
+@dataclass
+class TrainVerifyResult:
+    passed: bool
+    layer: str
+    shape: list
+    dtype: str
+    target: str
+    forward_max_abs_diff: float
+    grad_max_abs_diff: float  # over every parameter and the input
+    step_max_abs_diff: float  # parameters after one SGD step from the same state
+    forward_tolerance: float
+    grad_tolerance: float
+    grads: dict[str, float]  # per gradient
+    fallback: dict  # a call with another batch size: did it run in PyTorch, and match it?
+    saved_bytes: dict[str, int]  # activations held for the backward: tvm, torch
+    tasks_tuned: int
+    tasks_total: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def verify_training(job: Job) -> TrainVerifyResult:
+    """Layer 0 of the model through add_tvm_dispatch against PyTorch, dropout on, same seeds:
+    forward, every gradient, and one optimizer step."""
+    import copy
+
+    import torch
+
+    from . import training
+
+    layer, (hidden, mask) = training.job_layer(job)
+    reference, compiled = copy.deepcopy(layer), copy.deepcopy(layer)
+    training.add_tvm_dispatch(compiled, (hidden, mask), target=job.config.target, log_dir=job.config.log_dir)
+    generator = torch.Generator().manual_seed(job.config.seed + 11)
+    grad_output = torch.randn(hidden.shape, generator=generator, dtype=hidden.dtype)
+
+    def step(module):
+        x = hidden.clone().requires_grad_()
+        torch.manual_seed(job.config.seed + 13)  # the dropout masks
+        output = module(x, mask)
+        output.backward(grad_output)
+        grads = {"input": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
+        torch.optim.SGD(module.parameters(), lr=0.1).step()
+        return output.detach(), grads
+
+    want_out, want_grads = step(reference)
+    got_out, got_grads = step(compiled)
+    grads = {name: _max_diff(got_grads[name], want) for name, want in want_grads.items()}
+    step_diff = max(_max_diff(p, q) for p, q in zip(compiled.parameters(), reference.parameters()))
+    forward_tol, grad_tol = TRAIN_TOLERANCE[job.config.dtype]
+    fallback = _fallback_check(compiled, hidden, mask)
+    dispatch = training.dispatch_of(compiled)
+    current = dispatch.compiled_for(dispatch.mode())
+    saved = {"tvm": training.saved_activation_bytes(compiled, (hidden, mask)),
+             "torch": training.saved_activation_bytes(reference, (hidden, mask))}
+    forward_diff = _max_diff(got_out, want_out)
+    grad_diff = max(grads.values())
+    return TrainVerifyResult(
+        passed=bool(forward_diff <= forward_tol and grad_diff <= grad_tol and step_diff <= grad_tol and fallback["passed"]),
+        layer=f"{type(layer).__name__} 0 of {job.source.name}",
+        shape=list(hidden.shape),
+        dtype=job.config.dtype,
+        target=job.target.key,
+        forward_max_abs_diff=forward_diff,
+        grad_max_abs_diff=grad_diff,
+        step_max_abs_diff=step_diff,
+        forward_tolerance=forward_tol,
+        grad_tolerance=grad_tol,
+        grads=grads,
+        fallback=fallback,
+        saved_bytes=saved,
+        tasks_tuned=current.tasks_tuned,
+        tasks_total=current.tasks_total,
+    )
+
+
+def _max_diff(got, want) -> float:
+    return float((got.detach().double() - want.detach().double()).abs().max())
+
+
+def _fallback_check(compiled, hidden, mask) -> dict:
+    """Another batch size must run the module's own forward, silently."""
+    import torch
+
+    from . import training
+
+    dispatch = training.dispatch_of(compiled)
+    before = dict(dispatch.calls)
+    other_hidden, other_mask = torch.cat([hidden, hidden]), torch.cat([mask, mask])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        got = compiled(other_hidden, other_mask)
+        torch.manual_seed(0)
+        want = dispatch.original_forward(other_hidden, other_mask)
+    calls = dispatch.calls
+    ran_in_pytorch = calls["fallback"] == before["fallback"] + 1 and calls["tvm"] == before["tvm"]
+    diff = _max_diff(got, want)
+    return {"shape": list(other_hidden.shape), "ran_in_pytorch": ran_in_pytorch, "max_abs_diff": diff,
+            "passed": bool(ran_in_pytorch and diff == 0.0)}
+
+
+def check_training(result: TrainVerifyResult) -> None:
+    if not result.passed:
+        raise CheckFailed(f"verify --train failed: forward {result.forward_max_abs_diff:.3g} (tolerance {result.forward_tolerance:.3g}), "
+                          f"gradients {result.grad_max_abs_diff:.3g} and step {result.step_max_abs_diff:.3g} "
+                          f"(tolerance {result.grad_tolerance:.3g}), fallback {'ok' if result.fallback['passed'] else 'wrong'}")
