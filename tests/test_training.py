@@ -78,6 +78,11 @@ def test_other_shapes_fall_back_to_pytorch_and_say_so_once(layers, capsys):
         assert torch.equal(got, want) and "TVM" not in type(got.grad_fn).__name__
     assert dispatch.calls["fallback"] == 2
     assert capsys.readouterr().err.count("runs in PyTorch") == 1
+    # Parameters cast after compiling: PyTorch's own forward (and its dtype error), never TVM on wrong data.
+    compiled.to(torch.float64 if hidden.dtype == torch.float32 else torch.float32)
+    with pytest.raises(RuntimeError):
+        compiled(hidden, mask)
+    assert dispatch.calls["fallback"] == 3 and dispatch.calls["tvm"] == 0
 
 
 def test_eval_mode_compiles_without_dropout_and_matches(layers):

@@ -38,15 +38,15 @@ class Signature:
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple
-    device: str
+    devices: tuple[str, ...]
 
     @classmethod
     def of(cls, tensors) -> Signature:
-        return cls(tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors), str(tensors[0].device))
+        return cls(tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors), tuple(str(t.device) for t in tensors))
 
     def describe(self) -> str:
         return ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in zip(self.shapes, self.dtypes)) \
-            + f" on {self.device}"
+            + f" on {', '.join(sorted(set(self.devices)))}"
 
 
 @dataclass
@@ -54,9 +54,9 @@ class Compiled:
     """One training mode's forward and backward, and how their arguments map to the module's."""
 
     vm: object
-    device: object  # tvm Device
     dropout: list[DropoutSite]
     params: list[str]  # module parameter/buffer names, in the order the functions take them
+    param_signature: Signature  # their shapes, dtypes and devices when compiled
     n_inputs: int
     n_outputs: int
     out_spec: object  # pytree spec of the module's output
@@ -136,29 +136,30 @@ class _Dispatch:
 
         if kwargs or len(args) != len(self.signature.shapes) or not all(isinstance(a, torch.Tensor) for a in args) \
                 or Signature.of(args) != self.signature:
-            self._fallback_note(args, kwargs)
-            self.calls["fallback"] += 1
-            return self.original_forward(*args, **kwargs)
+            return self._fallback(args, kwargs, self._mismatch(args, kwargs))
         compiled = self.compiled_for(self.mode())
-        masks = [_draw_mask(site, args[0].device) for site in compiled.dropout]
         params = [_lookup(self.module, name) for name in compiled.params]
+        if Signature.of(params) != compiled.param_signature:
+            return self._fallback(args, kwargs, "its parameters were moved or cast since add_tvm_dispatch compiled it")
+        masks = [_draw_mask(site, args[0].device) for site in compiled.dropout]
         self.calls["tvm"] += 1
         outputs = self.function.apply(compiled, *args, *masks, *params)
         return torch.utils._pytree.tree_unflatten(list(outputs), compiled.out_spec)
 
-    def _fallback_note(self, args, kwargs) -> None:
-        if not self.verbose:
-            return
+    def _mismatch(self, args, kwargs) -> str:
         import torch
 
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        key = (Signature.of(tensors) if tensors else None, tuple(sorted(kwargs)), len(args))
-        if key not in self.reported:
-            self.reported.add(key)
-            got = key[0].describe() if key[0] else "no tensors"
-            print(f"tvmbert: {type(self.module).__name__} called with {got}"
-                  + (f" and keywords {', '.join(kwargs)}" if kwargs else "")
-                  + f": runs in PyTorch (TVM is compiled for {self.signature.describe()})", file=sys.stderr)
+        got = Signature.of(tensors).describe() if tensors else "no tensors"
+        return f"called with {got}" + (f" and keywords {', '.join(sorted(kwargs))}" if kwargs else "") \
+            + f", TVM is compiled for {self.signature.describe()}"
+
+    def _fallback(self, args, kwargs, why: str):
+        self.calls["fallback"] += 1
+        if self.verbose and why not in self.reported:
+            self.reported.add(why)
+            print(f"tvmbert: {type(self.module).__name__} runs in PyTorch: {why}", file=sys.stderr)
+        return self.original_forward(*args, **kwargs)
 
     def compiled_for(self, mode: tuple[bool, ...]) -> Compiled:
         if mode not in self.compiled:
@@ -224,7 +225,7 @@ def _dropout_replaced(replacement):
     original = torch.nn.functional.dropout
     torch.nn.functional.dropout = replacement
     try:
-        yield original
+        yield
     finally:
         torch.nn.functional.dropout = original
 
@@ -344,7 +345,8 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
         raise StageFailed(f"TVM build of {type(module).__name__} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
     device = tvm.device(inputs[0].device.type, inputs[0].device.index or 0)
     vm = relax.VirtualMachine(executable, device)
-    return Compiled(vm, device, sites, params, len(inputs), n_outputs, out_spec, split,
+    param_signature = Signature.of([_lookup(module, name) for name in params])
+    return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split,
                     len(tasks) - len(untuned), len(tasks), untuned)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -65,12 +66,6 @@ class TuneResult:
         return asdict(self)
 
 
-def _workload_key(task: tuning_db.Task) -> str:
-    import tvm_ffi
-
-    return f"{int(tvm_ffi.structural_hash(task.module)):x}"
-
-
 def _done_keys(log_dir: Path) -> set[str]:
     done = set()
     path = log_dir / DONE_FILE
@@ -85,7 +80,7 @@ def _done_keys(log_dir: Path) -> set[str]:
 
 def _mark_done(log_dir: Path, task: tuning_db.Task, trials: int) -> None:
     with open(log_dir / DONE_FILE, "a") as handle:
-        handle.write(json.dumps({"workload": _workload_key(task), "task": task.name, "trials": trials}) + "\n")
+        handle.write(json.dumps({"workload": tuning_db.workload_key(task.module), "task": task.name, "trials": trials}) + "\n")
 
 
 def plan(tasks: list[tuning_db.Task], trials: int, per_task: int | None) -> dict[str, int]:
@@ -116,9 +111,12 @@ def _check_writable(log_dir: Path) -> None:
         raise InputError(f"tuning log directory {log_dir} is not writable: {exc.strerror or exc}") from None
 
 
-def tune(job: Job, retune: bool = False, train: bool = False) -> TuneResult:
+def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, ...] = ()) -> TuneResult:
     """Tunes the job's inference kernels, or with ``train`` the forward and backward kernels of its
-    first encoder layer (what ``add_tvm_dispatch`` compiles for ``bench --train``)."""
+    first encoder layer (what ``add_tvm_dispatch`` compiles for ``bench --train``); ``only``:
+    regular expressions, the tasks whose names match one of them (the trials go where the time is).
+
+    ``retune`` starts the search of already tuned tasks over: their earlier records are superseded."""
     options = job.config.tune
     log_dir = job.log_dir()
     servers = 0
@@ -135,6 +133,11 @@ def tune(job: Job, retune: bool = False, train: bool = False) -> TuneResult:
     else:
         optimized = job.upstream("optimize", optimize)
         tasks = tuning_db.extract_tasks(load_module(optimized.path), job.target)
+    if only:
+        selected = [t for t in tasks if any(re.search(pattern, t.name) for pattern in only)]
+        if not selected:
+            raise InputError(f"--task {' '.join(only)} matches none of the tasks: {', '.join(t.name for t in tasks)}")
+        tasks = selected
     started = time.perf_counter()
     with tuning_db.locked(log_dir, say=job.say):
         database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))
@@ -145,7 +148,7 @@ def tune(job: Job, retune: bool = False, train: bool = False) -> TuneResult:
             existing = len(tuning_db.records_for(database, task))
             if task.trivial:
                 status = "trivial"
-            elif _workload_key(task) in done and not retune:
+            elif tuning_db.workload_key(task.module) in done and not retune:
                 status = "done"
             else:
                 status = "todo"
@@ -155,6 +158,11 @@ def tune(job: Job, retune: bool = False, train: bool = False) -> TuneResult:
                 state.status = "done" if existing else "no budget"
             progress.append(state)
         todo = [(task, p) for task, p in zip(tasks, progress) if p.status == "todo"]
+        if retune and any(p.existing for _, p in todo):
+            for task, state in todo:
+                database.supersede(task.module)
+                state.existing, state.best_us = 0, None
+            database = tuning_db.open_database(log_dir, warn=lambda message: None)
         if todo:
             _run(job, todo, database, log_dir, servers, retune, progress, started)
         else:
@@ -190,8 +198,9 @@ def _run(job: Job, todo, database, log_dir: Path, servers: int, retune: bool, pr
     target = job.target.tvm_target()
     remote = job.config.tune.rpc_tracker is not None
     builder = measure.make_builder(cpu=job.target.kind == "llvm", workers=cpu_count())
-    runner = measure.make_rpc_runner(job.config.tune.rpc_tracker, job.config.tune.rpc_key, servers) if remote \
-        else measure.make_local_runner()
+    cold = not job.target.is_gpu
+    runner = measure.make_rpc_runner(job.config.tune.rpc_tracker, job.config.tune.rpc_key, servers, cold) if remote \
+        else measure.make_local_runner(cold)
     planned = sum(p.remaining(retune) for _, p in todo)
     where = f"RPC tracker {job.config.tune.rpc_tracker} ({servers} '{job.config.tune.rpc_key}' devices)" if remote else "this machine"
     job.say(f"tune: {len(todo)} tasks, {planned} trials, measured on {where}, into {log_dir}")

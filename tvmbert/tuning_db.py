@@ -16,6 +16,10 @@ from pathlib import Path
 
 WORKLOADS_FILE = "database_workload.json"
 RECORDS_FILE = "database_tuning_record.json"
+# One JSON object per line: {"workload": structural hash, "before_line": n}. `tune --retune` starts a
+# task's search over; its earlier records (up to line n of the records file) stay in the file,
+# append-only, but no longer count (e.g. measured hot, before CPU tuning measured cold).
+SUPERSEDED_FILE = "superseded.json"
 LOCK_FILE = ".lock"
 
 
@@ -104,6 +108,23 @@ def tuning_active(log_dir: Path) -> bool:
     return False
 
 
+def workload_key(mod) -> str:
+    import tvm_ffi
+
+    return f"{int(tvm_ffi.structural_hash(mod)):x}"
+
+
+def _superseded(log_dir: Path) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for _, line in _lines(log_dir / SUPERSEDED_FILE):
+        try:
+            entry = json.loads(line)
+            found[entry["workload"]] = max(found.get(entry["workload"], 0), int(entry["before_line"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a torn line: those records keep counting, which only loses a re-measurement
+    return found
+
+
 def _lines(path: Path):
     if not path.is_file():
         return
@@ -132,21 +153,26 @@ def _database_class():
             self.memory = ms.database.MemoryDatabase(module_equality="structural")
             self.line_of: dict[int, list] = {}  # structural hash -> [(workload module, line index)]
             self.workload_lines = 0
+            self.record_lines = 0
             self.problems: list[str] = []
             self._load(warn)
 
         def _load(self, warn):
-            workloads = []
+            workloads, superseded_before = [], []
+            superseded = _superseded(self.log_dir)
             for number, line in _lines(self.log_dir / WORKLOADS_FILE):
                 try:
                     workload = ms.database.Workload.from_json(json.loads(line))
                     self._remember(workload.mod, number - 1)
                     workloads.append(self.memory.commit_workload(workload.mod))
+                    superseded_before.append(superseded.get(workload_key(workload.mod), 0))
                 except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
                     workloads.append(None)
+                    superseded_before.append(0)
                     self._problem(warn, WORKLOADS_FILE, number, exc)
             self.workload_lines = len(workloads)
             for number, line in _lines(self.log_dir / RECORDS_FILE):
+                self.record_lines = number
                 if self.live and not line.endswith("\n"):
                     break
                 try:
@@ -154,9 +180,19 @@ def _database_class():
                     workload = workloads[index] if isinstance(index, int) and 0 <= index < len(workloads) else None
                     if workload is None:
                         raise ValueError(f"refers to workload line {index!r}, which is not readable")
+                    if number <= superseded_before[index]:
+                        continue
                     self.memory.commit_tuning_record(ms.database.TuningRecord.from_json(record_json, workload))
                 except Exception as exc:  # noqa: BLE001
                     self._problem(warn, RECORDS_FILE, number, exc)
+
+        def supersede(self, mod) -> None:
+            """From now on, only records measured after this call count for ``mod``'s workload
+            (takes effect when the database is opened again)."""
+            with open(self.log_dir / SUPERSEDED_FILE, "a") as handle:
+                handle.write(json.dumps({"workload": workload_key(mod), "before_line": self.record_lines}) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
 
         def _problem(self, warn, name, number, exc):
             message = f"{self.log_dir / name}:{number}: skipped an unreadable line ({type(exc).__name__}: {str(exc)[:80]})"
@@ -203,6 +239,7 @@ def _database_class():
         def commit_tuning_record(self, record) -> None:
             workload = self.commit_workload(record.workload.mod)
             self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record.as_json()]))
+            self.record_lines += 1
             self.memory.commit_tuning_record(record)
 
         def get_top_k(self, workload, top_k: int):
