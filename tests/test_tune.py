@@ -64,6 +64,34 @@ def test_tuned_workloads_are_reused_by_another_model(tvmbert, tuned):
     assert outcome.json["new_trials"] == 0
 
 
+def test_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tuned, tmp_path):
+    import shutil
+
+    log_dir = tmp_path / "logs"
+    shutil.copytree(tuned, log_dir)
+    before = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--json").json
+    outcome = tvmbert("tune", "bert-tiny", "--retune", "--task", "^fused_matmul", "--trials", "8", "--trials-per-task", "4",
+                      "--log-dir", str(log_dir), "--json")
+    assert outcome.code == 0, outcome.stderr
+    tasks = outcome.json["tasks"]
+    assert tasks and all(t["name"].startswith("fused_matmul") for t in tasks)
+    assert outcome.json["new_trials"] == sum(t["new_trials"] for t in tasks) > 0
+    after = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--json").json
+    assert after["new_trials"] == 0
+    records = {t["name"]: t for t in after["tasks"]}
+    for task in tasks:  # only the new, re-measured records count now
+        assert records[task["name"]]["existing"] == task["new_trials"]
+    untouched = [t for t in before["tasks"] if not t["name"].startswith("fused_matmul")]
+    assert all(records[t["name"]]["existing"] == t["existing"] for t in untouched)
+    superseded = (records_file(log_dir).parent / tuning_db.SUPERSEDED_FILE).read_text().splitlines()
+    assert len(superseded) == len(tasks)
+
+
+def test_task_pattern_matching_nothing_is_an_input_error(tvmbert, tmp_path):
+    outcome = tvmbert("tune", "bert-tiny", "--task", "no-such-kernel", "--log-dir", str(tmp_path))
+    assert outcome.code == 2 and "matches none of the tasks" in outcome.stderr
+
+
 def test_garbage_line_is_skipped_with_a_warning_and_kept(tvmbert, tuned, tmp_path):
     import shutil
 

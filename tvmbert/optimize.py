@@ -34,7 +34,7 @@ def _passes(dtype: str) -> dict[str, Callable[[], list]]:
                                     else passes.reduced_precision_matmuls(dtype)],
         # Off by default (--fast-math): GELU as tanh, fast exp/erf/tanh/softmax.
         "fast-math": passes.fast_math,
-        "legalize": lambda: [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant()],
+        "legalize": lambda: [t.LegalizeOps(passes.vectorized_erf()), t.AnnotateTIROpPattern(), t.FoldConstant()],
         "fuse": lambda: [t.FuseOps(), t.FuseTIR()],
     }
 

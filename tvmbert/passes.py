@@ -182,3 +182,28 @@ def _call_rewrite_pass(name: str, rewrite):
         return rewriter.builder_.get()
 
     return transform
+
+
+def vectorized_erf() -> dict:
+    """LegalizeOps overrides for float32 GELU and erf: erf as TVM's rational polynomial
+    (``topi.fast_erf``: 4.2e-7 max abs error on [-6, 6] against float64, a few ulp) instead of
+    libm's ``erff``, a scalar call LLVM cannot vectorize: bert-base's 14 x 3072 GELU kernel took
+    245 µs x 12 layers with it. GELU stays the exact, erf form (``--fast-math`` is the tanh one);
+    other dtypes keep libm's erf."""
+    import tvm
+    from tvm import topi
+
+    def float32_only(op_name, compute):
+        default = tvm.ir.Op.get(op_name).get_attr("FLegalize")
+
+        def legalize(builder, call):
+            if call.args[0].ty.dtype != "float32":
+                return default(builder, call)
+            return builder.call_te(compute, call.args[0], primfunc_name_hint=op_name.rsplit(".", 1)[-1])
+
+        return legalize
+
+    return {
+        "relax.nn.gelu": float32_only("relax.nn.gelu", lambda x: x * (0.5 + topi.fast_erf(x * 0.7071067811865476) * 0.5)),
+        "relax.erf": float32_only("relax.erf", topi.fast_erf),
+    }

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import autodiff, targets, tuning_db
+from . import autodiff, passes, targets, tuning_db
 from .errors import InputError, StageFailed
 
 ATTRIBUTE = "_tvmbert_dispatch"
@@ -316,7 +316,7 @@ def lower(module):
     t = relax.transform
     return tvm.transform.Sequential([
         t.FoldConstant(), t.EliminateCommonSubexpr(), t.DeadCodeElimination(["forward", "backward"]),
-        t.FuseTransposeMatmul(), t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
+        t.FuseTransposeMatmul(), t.LegalizeOps(passes.vectorized_erf()), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
         t.DeadCodeElimination(["forward", "backward"]),
     ])(module)
 
