@@ -155,3 +155,15 @@ def test_bench_train_cli(tvmbert, tmp_path):
     report = outcome.json
     assert set(report["engines"]) == {"tvm", "torch-eager"} and report["ratio"] > 0
     assert report["engines"]["tvm"]["runs"] >= 3
+
+
+@pytest.mark.slow
+def test_tune_train_tunes_the_layer_kernels_that_dispatch_then_applies(tvmbert, tmp_path):
+    outcome = tvmbert("tune", "bert-tiny", "--train", "--task", "^NT_matmul", "--trials", "8", "--trials-per-task", "4",
+                      "--log-dir", str(tmp_path), "--json")
+    assert outcome.code == 0, outcome.stderr
+    tuned = {t["name"] for t in outcome.json["tasks"] if t["best_us"] is not None}
+    assert tuned and all(name.startswith("NT_matmul") for name in tuned)
+    verified = tvmbert("verify", "bert-tiny", "--train", "--log-dir", str(tmp_path), "--json")
+    assert verified.code == 0, verified.stderr
+    assert verified.json["tasks_tuned"] == len(tuned) < verified.json["tasks_total"]

@@ -64,13 +64,13 @@ def test_tuned_workloads_are_reused_by_another_model(tvmbert, tuned):
     assert outcome.json["new_trials"] == 0
 
 
-def test_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tuned, tmp_path):
+def test_fresh_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tuned, tmp_path):
     import shutil
 
     log_dir = tmp_path / "logs"
     shutil.copytree(tuned, log_dir)
     before = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--json").json
-    outcome = tvmbert("tune", "bert-tiny", "--retune", "--task", "^fused_matmul", "--trials", "8", "--trials-per-task", "4",
+    outcome = tvmbert("tune", "bert-tiny", "--retune", "--fresh", "--task", "^fused_matmul", "--trials", "8", "--trials-per-task", "4",
                       "--log-dir", str(log_dir), "--json")
     assert outcome.code == 0, outcome.stderr
     tasks = outcome.json["tasks"]

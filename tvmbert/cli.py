@@ -156,16 +156,17 @@ def optimize(as_json, force, passes, disable, viz, **params):
 @click.option("--trials-per-task", type=int, help="At most this many trials per task.")
 @click.option("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker to measure on.")
 @click.option("--rpc-key", help="Device key registered with the tracker.")
-@click.option("--retune", is_flag=True, help="Start the search of already tuned tasks over (their old records stop counting).")
+@click.option("--retune", is_flag=True, help="Spend trials on tasks that are already tuned too, searching on from their records.")
+@click.option("--fresh", is_flag=True, help="With --retune: start those tasks' search over; their old records stop counting.")
 @click.option("--train", is_flag=True, help="Tune the forward and backward kernels of encoder layer 0 (add_tvm_dispatch).")
 @click.option("--task", "only", multiple=True, help="Only the tasks whose names match this regular expression (repeatable).")
 @_quiet_warnings
-def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, train, only, **params):
+def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, fresh, train, only, **params):
     """Tune the model's kernels with MetaSchedule into the target's database."""
     from .tune import tune as run
 
     overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
-    result = run(_job(params, overrides), retune=retune, train=train, only=only).to_json()
+    result = run(_job(params, overrides), retune=retune, train=train, only=only, fresh=fresh).to_json()
     _emit(as_json, result, _print_tune)
 
 

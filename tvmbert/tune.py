@@ -111,12 +111,15 @@ def _check_writable(log_dir: Path) -> None:
         raise InputError(f"tuning log directory {log_dir} is not writable: {exc.strerror or exc}") from None
 
 
-def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, ...] = ()) -> TuneResult:
+def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, ...] = (), fresh: bool = False) -> TuneResult:
     """Tunes the job's inference kernels, or with ``train`` the forward and backward kernels of its
     first encoder layer (what ``add_tvm_dispatch`` compiles for ``bench --train``); ``only``:
     regular expressions, the tasks whose names match one of them (the trials go where the time is).
 
-    ``retune`` starts the search of already tuned tasks over: their earlier records are superseded."""
+    ``retune`` spends the budget again on tasks already tuned, searching on from their records;
+    ``fresh`` (implies ``retune``) starts their search over: their earlier records stop counting
+    (kept in the file, superseded), e.g. records measured hot before CPU tuning measured cold."""
+    retune = retune or fresh
     options = job.config.tune
     log_dir = job.log_dir()
     servers = 0
@@ -158,7 +161,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
                 state.status = "done" if existing else "no budget"
             progress.append(state)
         todo = [(task, p) for task, p in zip(tasks, progress) if p.status == "todo"]
-        if retune and any(p.existing for _, p in todo):
+        if fresh and any(p.existing for _, p in todo):
             for task, state in todo:
                 database.supersede(task.module)
                 state.existing, state.best_us = 0, None
