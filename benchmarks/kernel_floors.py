@@ -53,7 +53,7 @@ def main() -> None:
                                       f_preproc="cache_flush_cpu_non_first_arg")(*arrays).median
         floor = max(nbytes / (args.bandwidth_gbs * 1e9), max(task.flops, 0) / (args.peak_gflops * 1e9))
         rows.append((task, len(records), nbytes, hot, cold, floor))
-    print(f"| task | MFLOP | MB | calls | trials | hot µs | cold µs | floor µs | cold / floor | cold ms x calls |")
+    print("| task | MFLOP | MB | calls | trials | hot µs | cold µs | floor µs | cold / floor | cold ms x calls |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for task, trials, nbytes, hot, cold, floor in rows:
         print(f"| {task.name} | {task.flops / 1e6:.2f} | {nbytes / 1e6:.2f} | {task.weight} | {trials} | {hot * 1e6:.1f} | "
