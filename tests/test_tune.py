@@ -79,12 +79,14 @@ def test_fresh_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tu
     after = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--json").json
     assert after["new_trials"] == 0
     records = {t["name"]: t for t in after["tasks"]}
-    for task in tasks:  # only the new, re-measured records count now
-        assert records[task["name"]]["existing"] == task["new_trials"]
+    funded = [t for t in tasks if t["new_trials"]]
+    assert funded
+    for task in tasks:  # re-measured tasks: only the new records count now; unfunded ones keep theirs
+        assert records[task["name"]]["existing"] == (task["new_trials"] or task["existing"])
     untouched = [t for t in before["tasks"] if not t["name"].startswith("fused_matmul")]
     assert all(records[t["name"]]["existing"] == t["existing"] for t in untouched)
     superseded = (records_file(log_dir).parent / tuning_db.SUPERSEDED_FILE).read_text().splitlines()
-    assert len(superseded) == len(tasks)
+    assert len(superseded) == len(funded)
 
 
 def test_task_pattern_matching_nothing_is_an_input_error(tvmbert, tmp_path):
@@ -145,8 +147,11 @@ def test_kill_9_loses_at_most_the_batch_in_flight(tmp_path, workdir):
     result = json.loads(resumed.stdout)
     after = records_file(log_dir).read_text()
     assert after.startswith(before.rstrip("\n").rsplit("\n", 1)[0])  # everything measured before the kill is kept
-    assert len(after.splitlines()) >= 48 - 1  # the run continued to its budget
+    # The run continued to its budget: every funded task finished (a small search space can end a
+    # task below its budget), and what it measured was appended after what was kept.
     assert result["new_trials"] > 0
+    assert all(t["status"] == "done" for t in result["tasks"] if t["budget"])
+    assert len(after.splitlines()) >= len(before.splitlines()) - 1 + result["new_trials"]
 
 
 def test_plan_weights_tasks_by_cost_and_respects_caps():
