@@ -94,6 +94,12 @@ def test_task_pattern_matching_nothing_is_an_input_error(tvmbert, tmp_path):
     assert outcome.code == 2 and "matches none of the tasks" in outcome.stderr
 
 
+def test_task_pattern_that_is_not_a_regex_is_an_input_error(tvmbert, tmp_path):
+    outcome = tvmbert("tune", "bert-tiny", "--task", "fused_(matmul", "--log-dir", str(tmp_path))
+    assert outcome.code == 2 and "is not a regular expression" in outcome.stderr
+    assert len(outcome.stderr.strip().splitlines()) == 1
+
+
 def test_garbage_line_is_skipped_with_a_warning_and_kept(tvmbert, tuned, tmp_path):
     import shutil
 

@@ -24,30 +24,11 @@ def build(job: Job, force: bool = False) -> Artifact:
         job.say(f"build: cached ({path})")
         return hit
     toolchain.check(job.target)
-    import tvm
-    from tvm import relax
 
-    target = job.target.tvm_target()
     optimized_module = load_module(optimized.path)
-    module = tuning_db.inference_module(optimized_module)
-    live = tuning_db.tuning_active(log_dir)
-    if live:
-        job.say(f"build: a tuning run is writing to {log_dir}; building with the records measured so far")
-    database = tuning_db.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"), live=live)
-    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
-    untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t)]
-    job.say(f"build: {job.target.key}, {len(tasks) - len(untuned)}/{len(tasks)} tasks tuned ({log_dir})")
     started = time.perf_counter()
-    with target:
-        if len(database):
-            with database:
-                module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
-        if job.target.is_gpu:
-            module = _default_gpu_schedules()(module)
-    try:
-        executable = tvm.compile(module, target)
-    except Exception as exc:
-        raise StageFailed(f"TVM build for {job.target.key} failed: {str(exc).splitlines()[-1]}") from exc
+    executable, tasks, untuned = compile_tuned(tuning_db.inference_module(optimized_module), job.target, log_dir, job.say,
+                                               announce="build")
     params = load_params(job.stage_dir("convert") / PARAMS_FILE)
     if "main_transform_params" in [gv.name_hint for gv in optimized_module.get_global_vars()]:
         params = _transform_params(optimized_module, params)
@@ -67,6 +48,36 @@ def build(job: Job, force: bool = False) -> Artifact:
         executable.export_library(str(tmp / LIBRARY_FILE))
         save_params(tmp / PARAMS_FILE, params)
     return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("main",), announce: str | None = None,
+                  label: str | None = None):
+    """Compiles ``module`` for ``target`` with the target's tuning database applied (the records
+    measured so far while a tune is running) and dlight's defaults for what it lacks on GPUs.
+    Returns (executable, the non-trivial tasks of ``entries``, the names of those left untuned)."""
+    import tvm
+    from tvm import relax
+
+    live = tuning_db.tuning_active(log_dir)
+    if live:
+        say(f"{announce or 'compile'}: a tuning run is writing to {log_dir}; building with the records measured so far")
+    database = tuning_db.open_database(log_dir, warn=lambda message: say(f"warning: {message}"), live=live)
+    tasks = [t for t in tuning_db.extract_tasks(module, target, entries) if not t.trivial]
+    untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t)]
+    if announce:
+        say(f"{announce}: {target.key}, {len(tasks) - len(untuned)}/{len(tasks)} tasks tuned ({log_dir})")
+    tvm_target = target.tvm_target()
+    with tvm_target:
+        if len(database):
+            with database:
+                module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
+        if target.is_gpu:
+            module = _default_gpu_schedules()(module)
+    try:
+        executable = tvm.compile(module, tvm_target)
+    except Exception as exc:
+        raise StageFailed(f"TVM build{' of ' + label if label else ''} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
+    return executable, tasks, untuned
 
 
 def device_modules(module) -> list[dict]:

@@ -39,6 +39,12 @@ def _passes(dtype: str) -> dict[str, Callable[[], list]]:
     }
 
 
+def pass_list(names, dtype: str = "float32") -> list:
+    """The passes behind ``names``, in order, for pipelines built outside ``optimize`` (training)."""
+    registry = _passes(dtype)
+    return [p for name in names for p in registry[name]()]
+
+
 PASS_NAMES = ("fold-constants", "cse", "combine-qkv", "mixed-precision", "bind-params", "dce", "fast-math", "legalize", "fuse")
 OPT_IN = ("mixed-precision", "fast-math")  # added by --dtype float16/bfloat16 and --fast-math
 DEFAULT_PASSES = tuple(name for name in PASS_NAMES if name not in OPT_IN)

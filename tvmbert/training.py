@@ -19,10 +19,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import autodiff, passes, targets, tuning_db
-from .errors import InputError, StageFailed
+from . import autodiff, targets, tuning_db
+from .errors import InputError
 
 ATTRIBUTE = "_tvmbert_dispatch"
+ENTRIES = ("forward", "backward")  # the Relax functions of a training module
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,12 @@ class Compiled:
     n_outputs: int
     out_spec: object  # pytree spec of the module's output
     split: autodiff.Split
-    tasks_tuned: int = 0
     tasks_total: int = 0
     untuned: list[str] = field(default_factory=list)
+
+    @property
+    def tasks_tuned(self) -> int:
+        return self.tasks_total - len(self.untuned)
 
     @property
     def n_primal(self) -> int:
@@ -313,11 +317,12 @@ def lower(module):
     import tvm
     from tvm import relax
 
+    from .optimize import pass_list
+
     t = relax.transform
+    dce = t.DeadCodeElimination(list(ENTRIES))
     return tvm.transform.Sequential([
-        t.FoldConstant(), t.EliminateCommonSubexpr(), t.DeadCodeElimination(["forward", "backward"]),
-        t.FuseTransposeMatmul(), t.LegalizeOps(passes.vectorized_erf()), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR(),
-        t.DeadCodeElimination(["forward", "backward"]),
+        *pass_list(("fold-constants", "cse")), dce, t.FuseTransposeMatmul(), *pass_list(("legalize", "fuse")), dce,
     ])(module)
 
 
@@ -325,33 +330,23 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
     import tvm
     from tvm import relax
 
-    split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
-    lowered = lower(split.module)
-    tvm_target = target.tvm_target()
-    database = tuning_db.open_database(log_dir, live=tuning_db.tuning_active(log_dir)) if log_dir.is_dir() else None
-    tasks = [t for t in extract_tasks(lowered, target) if not t.trivial]
-    untuned = [t.name for t in tasks if database is None or not tuning_db.is_tuned(database, t)]
-    with tvm_target:
-        if database is not None and len(database):
-            with database:
-                lowered = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(lowered)
-        if target.is_gpu:
-            from .build import _default_gpu_schedules
+    from .build import compile_tuned
 
-            lowered = _default_gpu_schedules()(lowered)
-    try:
-        executable = tvm.compile(lowered, tvm_target)
-    except Exception as exc:
-        raise StageFailed(f"TVM build of {type(module).__name__} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
+    split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
+    executable, tasks, untuned = compile_tuned(lower(split.module), target, log_dir, _to_stderr, ENTRIES,
+                                               label=type(module).__name__)
     device = tvm.device(inputs[0].device.type, inputs[0].device.index or 0)
     vm = relax.VirtualMachine(executable, device)
     param_signature = Signature.of([_lookup(module, name) for name in params])
-    return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split,
-                    len(tasks) - len(untuned), len(tasks), untuned)
+    return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split, len(tasks), untuned)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def extract_tasks(lowered, target) -> list[tuning_db.Task]:
-    return tuning_db.extract_tasks(lowered, target, entries=("forward", "backward"))
+    return tuning_db.extract_tasks(lowered, target, ENTRIES)
 
 
 def job_layer(job):

@@ -120,6 +120,10 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
     ``fresh`` (implies ``retune``) starts their search over: their earlier records stop counting
     (kept in the file, superseded), e.g. records measured hot before CPU tuning measured cold."""
     retune = retune or fresh
+    try:
+        patterns = [re.compile(pattern) for pattern in only]
+    except re.error as exc:
+        raise InputError(f"--task {exc.pattern!r} is not a regular expression: {exc}") from None
     options = job.config.tune
     log_dir = job.log_dir()
     servers = 0
@@ -137,7 +141,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
         optimized = job.upstream("optimize", optimize)
         tasks = tuning_db.extract_tasks(load_module(optimized.path), job.target)
     if only:
-        selected = [t for t in tasks if any(re.search(pattern, t.name) for pattern in only)]
+        selected = [t for t in tasks if any(p.search(t.name) for p in patterns)]
         if not selected:
             raise InputError(f"--task {' '.join(only)} matches none of the tasks: {', '.join(t.name for t in tasks)}")
         tasks = selected

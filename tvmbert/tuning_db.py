@@ -16,7 +16,7 @@ from pathlib import Path
 
 WORKLOADS_FILE = "database_workload.json"
 RECORDS_FILE = "database_tuning_record.json"
-# One JSON object per line: {"workload": structural hash, "before_line": n}. `tune --retune` starts a
+# One JSON object per line: {"workload": structural hash, "before_line": n}. `tune --retune --fresh` starts a
 # task's search over; its earlier records (up to line n of the records file) stay in the file,
 # append-only, but no longer count (e.g. measured hot, before CPU tuning measured cold).
 SUPERSEDED_FILE = "superseded.json"
@@ -163,9 +163,9 @@ def _database_class():
             for number, line in _lines(self.log_dir / WORKLOADS_FILE):
                 try:
                     workload = ms.database.Workload.from_json(json.loads(line))
-                    self._remember(workload.mod, number - 1)
+                    digest = self._remember(workload.mod, number - 1)
                     workloads.append(self.memory.commit_workload(workload.mod))
-                    superseded_before.append(superseded.get(workload_key(workload.mod), 0))
+                    superseded_before.append(superseded.get(f"{digest:x}", 0))
                 except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
                     workloads.append(None)
                     superseded_before.append(0)
@@ -199,10 +199,12 @@ def _database_class():
             self.problems.append(message)
             warn(message)
 
-        def _remember(self, mod, index):
+        def _remember(self, mod, index) -> int:
             import tvm_ffi
 
-            self.line_of.setdefault(int(tvm_ffi.structural_hash(mod)), []).append((mod, index))
+            digest = int(tvm_ffi.structural_hash(mod))
+            self.line_of.setdefault(digest, []).append((mod, index))
+            return digest
 
         def _index(self, mod):
             import tvm_ffi
