@@ -25,6 +25,7 @@ def main() -> None:
     import numpy as np
     import tvm
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     from tvmbert import Job, JobConfig, optimize, tuning_db
     from tvmbert.bench import set_threads
@@ -32,7 +33,8 @@ def main() -> None:
     from tvmbert.targets import cpu_count
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, dtype=args.dtype))
-    tasks = [t for t in tuning_db.extract_tasks(load_module(optimize(job).path), job.target) if not t.trivial]
+    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
     database = tuning_db.open_database(job.log_dir())
     target = job.target.tvm_target()
     set_threads(cpu_count())
@@ -43,8 +45,10 @@ def main() -> None:
         schedule = tvm.s_tir.Schedule(task.module)
         if records:
             records[0].trace.apply_to_schedule(schedule, remove_postproc=False)
-        (name, func), = schedule.mod.functions_items()
-        library = tvm.compile(schedule.mod, target=target).mod
+        # As in the model: weights the kernel reads in a layout of its own arrive repacked.
+        scheduled = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(schedule.mod)
+        (name, func), = scheduled.functions_items()
+        library = tvm.compile(scheduled, target=target).mod
         arrays = [tvm.runtime.tensor(np.random.rand(*[int(d) for d in info.shape]).astype(info.dtype), device)
                   for info in ArgInfo.from_prim_func(func)]
         nbytes = sum(a.numpy().nbytes for a in arrays)

@@ -48,6 +48,49 @@ def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
     assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
 
 
+def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned, workdir):
+    from tvmbert import Job, JobConfig, optimize
+    from tvmbert.convert import PARAMS_FILE, load_module, load_params
+
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
+    tasks = tuning_db.extract_tasks(tuning_db.inference_module(load_module(optimize(job).path), job.target), job.target)
+    marked = {t.name: [int(i) for i in t.module["main"].attrs.get("layout_free_buffers", [])] for t in tasks}
+    # The dense layers' weight matrices (argument 1); not the attention matmuls, biases or LayerNorm.
+    assert marked["fused_matmul_add2"] == [1] and marked["fused_matmul5_add4"] == [1]
+    assert marked["matmul1"] == [] and marked["layer_norm"] == [] and marked["fused_reshape1_add"] == []
+    assert "TransformLayout" in records_file(tuned).read_text()
+    built = tvmbert("build", "bert-tiny", "--log-dir", str(tuned), "--json")
+    assert built.code == 0, built.stderr
+    shapes = [w.shape for w in load_params(Path(built.json["artifact"]).parent / PARAMS_FILE).values()]
+    assert any(len(shape) == 5 for shape in shapes), shapes  # [n tiles][k tiles][...]: matrices repacked once
+
+
+def test_hand_written_streaming_matmuls_build_and_verify(tvmbert, workdir, tmp_path):
+    """A database holding only the hand-written schedules' records: the model is built with
+    them (and their packed weights) and still matches PyTorch."""
+    from tvmbert import Job, JobConfig, measure, optimize, schedules
+    from tvmbert.convert import load_module
+    from tvmbert.tune import _measure_handwritten
+
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
+    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if schedules.applies(t.module)]
+    job.log_dir().mkdir(parents=True)
+    database = tuning_db.open_database(job.log_dir())
+    builder, runner = measure.make_builder(cpu=True, workers=2), measure.make_local_runner(cold=True)
+    try:
+        for task in tasks:
+            measured = _measure_handwritten(task, job.target.tvm_target(), builder, runner, database, print)
+            assert measured == len(schedules.candidates(task.module))
+    finally:
+        builder.shutdown()
+    built = tvmbert("build", "bert-tiny", "--log-dir", str(tmp_path), "--json")
+    assert built.code == 0, built.stderr
+    assert built.json["tasks_tuned"] == len(tasks) == 5
+    verified = tvmbert("verify", "bert-tiny", "--log-dir", str(tmp_path), "--json")
+    assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
+
+
 def test_second_identical_tune_does_zero_trials(tvmbert, tuned):
     outcome = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(tuned), "--json")
     assert outcome.code == 0, outcome.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from . import artifacts, toolchain, tuning_db
 from .artifacts import Artifact
@@ -12,6 +13,7 @@ from .job import Job
 from .optimize import optimize
 
 LIBRARY_FILE = "model.so"
+PREPACK_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
 
 
 def build(job: Job, force: bool = False) -> Artifact:
@@ -27,34 +29,41 @@ def build(job: Job, force: bool = False) -> Artifact:
 
     optimized_module = load_module(optimized.path)
     started = time.perf_counter()
-    executable, tasks, untuned = compile_tuned(tuning_db.inference_module(optimized_module), job.target, log_dir, job.say,
-                                               announce="build")
+    compiled = compile_tuned(tuning_db.inference_module(optimized_module, job.target), job.target, log_dir, job.say,
+                             announce="build")
     params = load_params(job.stage_dir("convert") / PARAMS_FILE)
-    if "main_transform_params" in [gv.name_hint for gv in optimized_module.get_global_vars()]:
-        params = _transform_params(optimized_module, params)
+    for transform in (tuning_db.entry_module(optimized_module, PREPACK_ENTRY), compiled.prepack):
+        params = _transform_params(transform, params)
     meta = {
         "artifact": str(path / LIBRARY_FILE),
         "target": job.target.config,
         "target_key": job.target.key,
         "database": str(log_dir),
-        "tasks_total": len(tasks),
-        "tasks_tuned": len(tasks) - len(untuned),
-        "untuned": untuned,
+        "tasks_total": len(compiled.tasks),
+        "tasks_tuned": len(compiled.tasks) - len(compiled.untuned),
+        "untuned": compiled.untuned,
         "build_seconds": round(time.perf_counter() - started, 2),
         "outputs": optimized.meta.get("outputs") or [],
-        "device_modules": device_modules(executable.mod),
+        "device_modules": device_modules(compiled.executable.mod),
     }
     with artifacts.writing("build", path, fp, meta) as tmp:
-        executable.export_library(str(tmp / LIBRARY_FILE))
+        compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         save_params(tmp / PARAMS_FILE, params)
     return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
 
 
+@dataclass
+class TunedBuild:
+    executable: object  # relax.VMExecutable of the entries
+    tasks: list  # the non-trivial tasks of the entries
+    untuned: list[str]  # the names of those the database has no record for
+    prepack: object | None  # IRModule: PREPACK_ENTRY, the weight layouts the tuned kernels read
+
+
 def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("main",), announce: str | None = None,
-                  label: str | None = None):
+                  label: str | None = None) -> TunedBuild:
     """Compiles ``module`` for ``target`` with the target's tuning database applied (the records
-    measured so far while a tune is running) and dlight's defaults for what it lacks on GPUs.
-    Returns (executable, the non-trivial tasks of ``entries``, the names of those left untuned)."""
+    measured so far while a tune is running) and dlight's defaults for what it lacks on GPUs."""
     import tvm
     from tvm import relax
 
@@ -73,11 +82,17 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
                 module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
         if target.is_gpu:
             module = _default_gpu_schedules()(module)
+        if target.prepacks_weights:
+            # A kernel tuned with a weight layout of its own starts by repacking the weight; that
+            # step becomes a kernel apart, lifted out of main into PREPACK_ENTRY, run once by build.
+            module = tvm.transform.Sequential([relax.transform.SplitLayoutRewritePreproc(),
+                                               relax.transform.LiftTransformParams()])(module)
+    prepack = tuning_db.entry_module(module, PREPACK_ENTRY)
     try:
-        executable = tvm.compile(module, tvm_target)
+        executable = tvm.compile(tuning_db.entry_module(module, *entries), tvm_target)
     except Exception as exc:
         raise StageFailed(f"TVM build{' of ' + label if label else ''} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
-    return executable, tasks, untuned
+    return TunedBuild(executable, tasks, untuned, prepack)
 
 
 def device_modules(module) -> list[dict]:
@@ -105,12 +120,15 @@ def _default_gpu_schedules():
     )
 
 
-def _transform_params(module, params: dict) -> dict:
-    """Runs main_transform_params once, on the CPU, so the library gets its weights ready-made."""
+def _transform_params(transform, params: dict) -> dict:
+    """Runs weight transforms (optimize's lifted ones, then the tuned kernels' layouts) once, so
+    the library gets its weights ready-made. On the build machine's CPU, for any CPU: a build for
+    another one (or a GPU) must not run code compiled for it here."""
     import tvm
     from tvm import relax
 
-    transform = tuning_db.entry_module(module, "main_transform_params")
+    if transform is None:
+        return params
     vm = relax.VirtualMachine(tvm.compile(transform, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
-    outputs = vm["main_transform_params"]([tvm.runtime.tensor(w) for w in params.values()])
+    outputs = vm[PREPACK_ENTRY]([tvm.runtime.tensor(w) for w in params.values()])
     return {f"w{i:04d}": out.numpy() for i, out in enumerate(outputs)}

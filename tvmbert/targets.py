@@ -31,6 +31,12 @@ class TargetSpec:
     def is_gpu(self) -> bool:
         return self.kind in ("cuda", "rocm")
 
+    @property
+    def prepacks_weights(self) -> bool:
+        """CPU kernels read weights in the order their tiles want, repacked once at build time;
+        GPU kernels take them as they are (dlight and the GPU rules stage tiles in shared memory)."""
+        return self.kind == "llvm"
+
     def tvm_target(self):
         import tvm
 

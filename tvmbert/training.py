@@ -333,12 +333,12 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
     from .build import compile_tuned
 
     split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
-    executable, tasks, untuned = compile_tuned(lower(split.module), target, log_dir, _to_stderr, ENTRIES,
-                                               label=type(module).__name__)
+    compiled = compile_tuned(lower(split.module), target, log_dir, _to_stderr, ENTRIES, label=type(module).__name__)
     device = tvm.device(inputs[0].device.type, inputs[0].device.index or 0)
-    vm = relax.VirtualMachine(executable, device)
+    vm = relax.VirtualMachine(compiled.executable, device)
     param_signature = Signature.of([_lookup(module, name) for name in params])
-    return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split, len(tasks), untuned)
+    return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split, len(compiled.tasks),
+                    compiled.untuned)
 
 
 def _to_stderr(message: str) -> None:

@@ -42,18 +42,54 @@ class Task:
 
 
 def entry_module(module, *entries: str):
-    """The ``entries`` and what they call, nothing else (DCE alone keeps the other Relax entry points)."""
+    """The ``entries`` and what they call, nothing else (DCE alone keeps the other Relax entry
+    points); None when ``module`` has none of them."""
     import tvm
     from tvm import relax
 
+    if not any(gv.name_hint in entries for gv in module.get_global_vars()):
+        return None
     kept = tvm.IRModule({gv: f for gv, f in module.functions_items()
                          if gv.name_hint in entries or not isinstance(f, relax.Function)})
     return relax.transform.DeadCodeElimination(list(entries))(kept)
 
 
-def inference_module(module):
-    """main alone: the weight transforms run once at build time and are not worth tuning."""
-    return entry_module(module, "main")
+def inference_module(module, target):
+    """main alone: the weight transforms run once at build time and are not worth tuning. On
+    targets that prepack, kernels reading a weight matrix say so, and MetaSchedule may then store
+    it in the order its tiles read it (its RewriteLayout postprocessor); the build repacks the
+    weights once, so that no kernel strides through a matrix in memory."""
+    main = entry_module(module, "main")
+    return mark_layout_free_weights(main) if target.prepacks_weights else main
+
+
+def mark_layout_free_weights(module):
+    """Marks, in each kernel main calls, the arguments that are weight matrices at every call
+    (main's parameters after its ``num_input`` inputs, 2-D or more) as ``layout_free_buffers``.
+
+    Relax's AttachAttrLayoutFreeBuffers does this too, but renames every kernel and marks the
+    ones without weights with an empty list: their structural hash changes and their tuning
+    records stop matching. Vectors (biases, LayerNorm's scale) gain nothing from a new layout.
+    """
+    import tvm
+    from tvm import relax, tirx
+
+    main = module["main"]
+    num_input = int(main.attrs["num_input"]) if main.attrs and "num_input" in main.attrs else len(main.params)
+    weights = {param for param in main.params[num_input:] if getattr(param.ty, "ndim", 0) >= 2}
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    positions: dict = {}  # kernel GlobalVar -> argument positions that are weights at every call
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            kernel, args = expr.args[0], expr.args[1].fields
+            here = {i for i, arg in enumerate(args) if arg in weights}
+            positions[kernel] = positions[kernel] & here if kernel in positions else here
+
+    relax.analysis.post_order_visit(main.body, visit)
+    return tvm.IRModule({gv: func.with_attr("layout_free_buffers", sorted(positions[gv]))
+                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) else func
+                         for gv, func in module.functions_items()}, attrs=module.attrs)
 
 
 def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
@@ -240,7 +276,7 @@ def _database_class():
 
         def commit_tuning_record(self, record) -> None:
             workload = self.commit_workload(record.workload.mod)
-            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record.as_json()]))
+            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), _record_json(record)]))
             self.record_lines += 1
             self.memory.commit_tuning_record(record)
 
@@ -263,6 +299,30 @@ def _database_class():
             return len(self.memory)
 
     return LogDatabase
+
+
+def _record_json(record):
+    """A record as MetaSchedule's own JSONDatabase writes it. TuningRecord.as_json() cannot: it
+    fails on a trace that changes a weight's layout (an IndexMap), which C++ saves as a JSON graph."""
+    import tvm
+    from tvm.ir import Array, Map
+    from tvm.s_tir.meta_schedule import _ffi_api
+    from tvm.tirx import FloatImm, IntImm
+
+    def plain(obj):
+        if obj is None or isinstance(obj, (int, float)):
+            return obj
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, (IntImm, FloatImm)):
+            return obj.value
+        if isinstance(obj, Array):
+            return [plain(item) for item in obj]
+        if isinstance(obj, Map):
+            return {plain(key): plain(value) for key, value in obj.items()}
+        return tvm.ir.save_json(obj)
+
+    return plain(_ffi_api.TuningRecordAsJSON(record))
 
 
 def open_database(log_dir: Path, warn=None, live: bool = False):
