@@ -65,32 +65,6 @@ def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned
     assert any(len(shape) == 5 for shape in shapes), shapes  # [n tiles][k tiles][...]: matrices repacked once
 
 
-def test_hand_written_streaming_matmuls_build_and_verify(tvmbert, workdir, tmp_path):
-    """A database holding only the hand-written schedules' records: the model is built with
-    them (and their packed weights) and still matches PyTorch."""
-    from tvmbert import Job, JobConfig, measure, optimize, schedules
-    from tvmbert.convert import load_module
-    from tvmbert.tune import _measure_handwritten
-
-    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
-    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
-    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if schedules.applies(t.module)]
-    job.log_dir().mkdir(parents=True)
-    database = tuning_db.open_database(job.log_dir())
-    builder, runner = measure.make_builder(cpu=True, workers=2), measure.make_local_runner(cold=True)
-    try:
-        for task in tasks:
-            measured = _measure_handwritten(task, job.target.tvm_target(), builder, runner, database, print)
-            assert measured == len(schedules.candidates(task.module))
-    finally:
-        builder.shutdown()
-    built = tvmbert("build", "bert-tiny", "--log-dir", str(tmp_path), "--json")
-    assert built.code == 0, built.stderr
-    assert built.json["tasks_tuned"] == len(tasks) == 5
-    verified = tvmbert("verify", "bert-tiny", "--log-dir", str(tmp_path), "--json")
-    assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
-
-
 def test_second_identical_tune_does_zero_trials(tvmbert, tuned):
     outcome = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(tuned), "--json")
     assert outcome.code == 0, outcome.stderr

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from . import measure, schedules, tuning_db
+from . import measure, tuning_db
 from .convert import load_module
 from .errors import InputError
 from .job import Job
@@ -170,12 +170,8 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
                 database.supersede(task.module)
                 state.existing, state.best_us = 0, None
             database = tuning_db.open_database(log_dir, warn=lambda message: None)
-        # Hand-written candidates are measured once per task, besides its MetaSchedule budget.
-        handwritten = [(task, p) for task, p in zip(tasks, progress) if p.status in ("todo", "done")
-                       and job.target.prepacks_weights and schedules.applies(task.module)
-                       and not _has_handwritten(database, task)]
-        if todo or handwritten:
-            _run(job, todo, handwritten, database, log_dir, servers, retune, progress, started)
+        if todo:
+            _run(job, todo, database, log_dir, servers, retune, progress, started)
         else:
             unfunded = sum(p.status == "no budget" for p in progress)
             job.say(f"tune: 0 new trials: {sum(p.status == 'done' for p in progress)} tasks already tuned in {log_dir}, "
@@ -202,12 +198,7 @@ def _best_us(database, task) -> float | None:
     return round(best * 1e6, 2) if best is not None else None
 
 
-def _has_handwritten(database, task) -> bool:
-    return any(schedules.MARK in str(record.trace) for record in tuning_db.records_for(database, task))
-
-
-def _run(job: Job, todo, handwritten, database, log_dir: Path, servers: int, retune: bool, progress,
-         started: float) -> None:
+def _run(job: Job, todo, database, log_dir: Path, servers: int, retune: bool, progress, started: float) -> None:
     from tvm.s_tir import meta_schedule as ms
 
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
@@ -219,8 +210,7 @@ def _run(job: Job, todo, handwritten, database, log_dir: Path, servers: int, ret
         else measure.make_local_runner(cold)
     planned = sum(p.remaining(retune) for _, p in todo)
     where = f"RPC tracker {job.config.tune.rpc_tracker} ({servers} '{job.config.tune.rpc_key}' devices)" if remote else "this machine"
-    job.say(f"tune: {len(todo)} tasks, {planned} trials, measured on {where}, into {log_dir}"
-            + (f"; hand-written candidates for {len(handwritten)} tasks" if handwritten else ""))
+    job.say(f"tune: {len(todo)} tasks, {planned} trials, measured on {where}, into {log_dir}")
     scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
     view = _ProgressView(progress, planned, started)
     try:
@@ -247,44 +237,9 @@ def _run(job: Job, todo, handwritten, database, log_dir: Path, servers: int, ret
                 state.best_us, state.status = _best_us(database, task), "done"
                 _mark_done(log_dir, task, state.existing + state.new_trials)
                 live.update(view.table())
-            for task, state in handwritten:
-                state.status = "hand-written"
-                live.update(view.table())
-                state.new_trials += _measure_handwritten(task, target, builder, runner, database, job.say)
-                state.best_us, state.status = _best_us(database, task), "done"
-                live.update(view.table())
     finally:
         builder.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _measure_handwritten(task, target, builder, runner, database, say) -> int:
-    """Builds and times the hand-written schedules of ``task`` like MetaSchedule's candidates
-    (same builder, runner and cold timing) and records them: the fastest record wins either way."""
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.utils import remove_build_dir
-
-    found = [sch for _, sch in schedules.candidates(task.module)]
-    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in found])
-    ready = [(sch, result.artifact_path, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))
-             for sch, result in zip(found, built) if result.error_msg is None]
-    errors = [result.error_msg for result in built if result.error_msg is not None]
-    # Hand-written schedules exist for CPU targets only (see schedules.py).
-    futures = runner.run([ms.runner.RunnerInput(path, device_type="cpu", args_info=args) for _, path, args in ready])
-    workload = database.commit_workload(task.module)
-    measured = 0
-    for (sch, path, args), future in zip(ready, futures):
-        result = future.result()
-        if result.error_msg is None:
-            database.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [float(s) for s in result.run_secs],
-                                                                   target, args))
-            measured += 1
-        else:
-            errors.append(result.error_msg)
-        remove_build_dir(path)
-    if errors:
-        say(f"warning: {task.name}: {len(errors)} of {len(found)} hand-written candidates failed: {errors[0].strip().splitlines()[-1]}")
-    return measured
 
 
 def _progress_callback(on_batch):
