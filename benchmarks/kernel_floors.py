@@ -33,9 +33,10 @@ def main() -> None:
     from tvmbert.targets import cpu_count
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, dtype=args.dtype))
-    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
-    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
     database = tuning_db.open_database(job.log_dir())
+    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    module = tuning_db.prefer_measured_layouts(module, job.target, database)  # as build does
+    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
     target = job.target.tvm_target()
     set_threads(cpu_count())
     device = tvm.cpu()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,10 +60,39 @@ def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned
     assert marked["fused_matmul_add2"] == [1] and marked["fused_matmul5_add4"] == [1]
     assert marked["matmul1"] == [] and marked["layer_norm"] == [] and marked["fused_reshape1_add"] == []
     assert "TransformLayout" in records_file(tuned).read_text()
+    database = tuning_db.open_database(Path(tuned) / job.target.key)
+    marked = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    # Only prepacked records here: every marked kernel keeps its mark. Records of the same kernels
+    # measured with the weights as they are, and faster, would take the marks off (build's choice).
+    assert tuning_db.prefer_measured_layouts(marked, job.target, database) is marked
     built = tvmbert("build", "bert-tiny", "--log-dir", str(tuned), "--json")
     assert built.code == 0, built.stderr
     shapes = [w.shape for w in load_params(Path(built.json["artifact"]).parent / PARAMS_FILE).values()]
     assert any(len(shape) == 5 for shape in shapes), shapes  # [n tiles][k tiles][...]: matrices repacked once
+
+
+def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, workdir, tmp_path):
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmbert import Job, JobConfig, optimize
+    from tvmbert.convert import load_module
+
+    shutil.copytree(tuned, tmp_path / "logs")
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))
+    optimized = load_module(optimize(job).path)
+    marked = tuning_db.inference_module(optimized, job.target)
+    database = tuning_db.open_database(job.log_dir())
+    # A record of the attention output projection with its weight as it is, faster than any prepacked one.
+    plain = next(t for t in tuning_db.extract_tasks(tuning_db.entry_module(optimized, "main"), job.target)
+                 if t.name == "fused_matmul3_add4")
+    schedule = tvm.s_tir.Schedule(plain.module)
+    schedule.get_loops(schedule.get_sblock("matmul"))  # the database skips records with an empty trace
+    database.commit_tuning_record(ms.database.TuningRecord(
+        schedule.trace, database.commit_workload(plain.module), [1e-9],
+        job.target.tvm_target(), ms.arg_info.ArgInfo.from_prim_func(plain.module["main"])))
+    chosen = tuning_db.prefer_measured_layouts(marked, job.target, database)
+    assert tuning_db._marked(marked) - tuning_db._marked(chosen) == {"fused_matmul3_add4"}
 
 
 def test_second_identical_tune_does_zero_trials(tvmbert, tuned):

@@ -71,6 +71,7 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
     if live:
         say(f"{announce or 'compile'}: a tuning run is writing to {log_dir}; building with the records measured so far")
     database = tuning_db.open_database(log_dir, warn=lambda message: say(f"warning: {message}"), live=live)
+    module = tuning_db.prefer_measured_layouts(module, target, database)
     tasks = [t for t in tuning_db.extract_tasks(module, target, entries) if not t.trivial]
     untuned = [t.name for t in tasks if not tuning_db.is_tuned(database, t)]
     if announce:

@@ -21,6 +21,7 @@ RECORDS_FILE = "database_tuning_record.json"
 # append-only, but no longer count (e.g. measured hot, before CPU tuning measured cold).
 SUPERSEDED_FILE = "superseded.json"
 LOCK_FILE = ".lock"
+LAYOUT_FREE = "layout_free_buffers"  # PrimFunc attribute: argument positions whose layout a schedule may choose
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,38 @@ def mark_layout_free_weights(module):
             positions[kernel] = positions[kernel] & here if kernel in positions else here
 
     relax.analysis.post_order_visit(main.body, visit)
-    return tvm.IRModule({gv: func.with_attr("layout_free_buffers", sorted(positions[gv]))
+    return tvm.IRModule({gv: func.with_attr(LAYOUT_FREE, sorted(positions[gv]))
                          if isinstance(func, tirx.PrimFunc) and positions.get(gv) else func
                          for gv, func in module.functions_items()}, attrs=module.attrs)
+
+
+def _marked(module) -> set[str]:
+    from tvm import tirx
+
+    return {gv.name_hint for gv, func in module.functions_items()
+            if isinstance(func, tirx.PrimFunc) and func.attrs and LAYOUT_FREE in func.attrs}
+
+
+def _without_marks(module, names: set[str]):
+    import tvm
+
+    return tvm.IRModule({gv: func.without_attr(LAYOUT_FREE) if gv.name_hint in names else func
+                         for gv, func in module.functions_items()}, attrs=module.attrs)
+
+
+def prefer_measured_layouts(module, target, database):
+    """Keeps each kernel's weights as they are where records measured that way (tuned before
+    prepacking, or for a shape where it does not pay: compute-bound matmuls already keep their
+    weight tiles in cache) run faster than the prepacked ones; the database decides, per kernel."""
+    marked = _marked(module)
+    if not marked:
+        return module
+    packed = {t.name: best_seconds(database, t) for t in extract_tasks(module, target) if t.name in marked}
+    plain = {t.name: best_seconds(database, t) for t in extract_tasks(_without_marks(module, marked), target)
+             if t.name in marked}
+    slower = {name for name, seconds in plain.items()
+              if seconds is not None and (packed.get(name) is None or seconds < packed[name])}
+    return _without_marks(module, slower) if slower else module
 
 
 def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
