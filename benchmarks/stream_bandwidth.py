@@ -12,6 +12,14 @@ from __future__ import annotations
 import argparse
 
 
+def _row_sums(weight, rows: int, columns: int):
+    """sums[i, lane] = sum over k of weight[i, 16 k + lane]: 16 vector accumulators per row."""
+    from tvm import te
+
+    k = te.reduce_axis((0, columns // 16), "k")
+    return te.compute((rows, 16), lambda i, lane: te.sum(weight[i, k * 16 + lane], axis=k), name="sums")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--megabytes", type=float, nargs="+", default=[9.4, 75.0])
@@ -35,8 +43,7 @@ def main() -> None:
         rows = max(1, int(megabytes * 1e6 / (columns * 4)))
         weight = te.placeholder((rows, columns), name="weight")
         first = te.placeholder((16,), name="first")  # the cache flush spares the first argument
-        k = te.reduce_axis((0, columns // 16), "k")
-        sums = te.compute((rows, 16), lambda i, lane, w=weight, k=k: te.sum(w[i, k * 16 + lane], axis=k), name="sums")
+        sums = _row_sums(weight, rows, columns)
         sch = tvm.s_tir.Schedule(te.create_prim_func([first, weight, sums]))
         block = sch.get_sblock("sums")
         i, lane, reduction = sch.get_loops(block)
