@@ -65,8 +65,8 @@ def inference_module(module, target):
 
 
 def mark_layout_free_weights(module):
-    """Marks, in each kernel main calls, the arguments that are weight matrices at every call
-    (main's parameters after its ``num_input`` inputs, 2-D or more) as ``layout_free_buffers``.
+    """Marks, in each reducing kernel main calls, the arguments that are weight matrices at every
+    call (main's parameters after its ``num_input`` inputs, 2-D or more) as ``layout_free_buffers``.
 
     Relax's AttachAttrLayoutFreeBuffers does this too, but renames every kernel and marks the
     ones without weights with an empty list: their structural hash changes and their tuning
@@ -89,8 +89,19 @@ def mark_layout_free_weights(module):
 
     relax.analysis.post_order_visit(main.body, visit)
     return tvm.IRModule({gv: func.with_attr(LAYOUT_FREE, sorted(positions[gv]))
-                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) else func
+                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) and _reduces(func) else func
                          for gv, func in module.functions_items()}, attrs=module.attrs)
+
+
+def _reduces(func) -> bool:
+    """Whether a kernel has a reduction (a matmul): only there does a schedule read a weight in an
+    order of its own. Elementwise kernels and lookups (an embedding table) keep their layout;
+    a layout rewrite of a 3-D weight in an elementwise kernel also trips SplitLayoutRewritePreproc."""
+    import tvm
+
+    sch = tvm.s_tir.Schedule(func)
+    return any(int(iv.iter_type) == 2 for block in sch.get_child_blocks(sch.get_sblock("root"))
+               for iv in sch.get(block).iter_vars)
 
 
 def _marked(module) -> set[str]:
