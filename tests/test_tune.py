@@ -54,17 +54,17 @@ def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned
     from tvmbert.convert import PARAMS_FILE, load_module, load_params
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
-    tasks = tuning_db.extract_tasks(tuning_db.inference_module(load_module(optimize(job).path), job.target), job.target)
-    marked = {t.name: [int(i) for i in t.module["main"].attrs.get("layout_free_buffers", [])] for t in tasks}
+    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    marked = {t.name: [int(i) for i in t.module["main"].attrs.get(tuning_db.LAYOUT_FREE, [])]
+              for t in tuning_db.extract_tasks(module, job.target)}
     # The dense layers' weight matrices (argument 1); not the attention matmuls, biases or LayerNorm.
     assert marked["fused_matmul_add2"] == [1] and marked["fused_matmul5_add4"] == [1]
     assert marked["matmul1"] == [] and marked["layer_norm"] == [] and marked["fused_reshape1_add"] == []
     assert "TransformLayout" in records_file(tuned).read_text()
-    database = tuning_db.open_database(Path(tuned) / job.target.key)
-    marked = tuning_db.inference_module(load_module(optimize(job).path), job.target)
     # Only prepacked records here: every marked kernel keeps its mark. Records of the same kernels
     # measured with the weights as they are, and faster, would take the marks off (build's choice).
-    assert tuning_db.prefer_measured_layouts(marked, job.target, database) is marked
+    database = tuning_db.open_database(job.log_dir())
+    assert tuning_db.prefer_measured_layouts(module, job.target, database) is module
     built = tvmbert("build", "bert-tiny", "--log-dir", str(tuned), "--json")
     assert built.code == 0, built.stderr
     shapes = [w.shape for w in load_params(Path(built.json["artifact"]).parent / PARAMS_FILE).values()]
