@@ -29,20 +29,21 @@ def main() -> None:
 
     from tvmbert import Job, JobConfig, optimize, tuning_db
     from tvmbert.bench import set_threads
+    from tvmbert.catalog import Catalog
     from tvmbert.convert import load_module
     from tvmbert.targets import cpu_count
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, dtype=args.dtype))
     database = tuning_db.open_database(job.log_dir())
     module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
-    module = tuning_db.prefer_measured_layouts(module, job.target, database)  # as build does
+    module = Catalog(job.log_dir(), job.target.key, warn=print).prefer_measured_layouts(module, job.target)  # as build does
     tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
     target = job.target.tvm_target()
     set_threads(cpu_count())
     device = tvm.cpu()
     rows = []
     for task in sorted(tasks, key=lambda t: -t.cost):
-        records = tuning_db.records_for(database, task)
+        records = tuning_db.valid_records(database, task.module)
         schedule = tvm.s_tir.Schedule(task.module)
         if records:
             records[0].trace.apply_to_schedule(schedule, remove_postproc=False)

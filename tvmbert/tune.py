@@ -152,10 +152,10 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
         done = _done_keys(log_dir)
         progress = []
         for task in tasks:
-            existing = len(tuning_db.records_for(database, task))
+            existing = database.trials_spent(task.module)
             if task.trivial:
                 status = "trivial"
-            elif tuning_db.workload_key(task.module) in done and not retune:
+            elif tuning_db.workload_key(task.module) in done and existing and not retune:
                 status = "done"
             else:
                 status = "todo"

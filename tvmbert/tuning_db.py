@@ -7,6 +7,7 @@ contains it, which is what makes tuning logs reusable across bert-base, bert-lar
 from __future__ import annotations
 
 import fcntl
+import gzip
 import json
 import os
 import sys
@@ -14,6 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+# What ships: per workload, its IR (with its structural hash, checked on load) and its best
+# COMPACT_TOP_K records; what build, --adapt and a warm-started tune read. Written by `tvmbert
+# compact` and at the end of every tune.
+COMPACT_FILE = "records.jsonl.gz"
+COMPACT_TOP_K = 8
+# The full history, local to the machine that tuned: MetaSchedule's JSON database format, appended
+# to while tuning; each record line also names its workload's structural hash (checked on load).
 WORKLOADS_FILE = "database_workload.json"
 RECORDS_FILE = "database_tuning_record.json"
 # One JSON object per line: {"workload": structural hash, "before_line": n}. `tune --retune --fresh` starts a
@@ -104,33 +112,19 @@ def _reduces(func) -> bool:
                for iv in sch.get(block).iter_vars)
 
 
-def _marked(module) -> set[str]:
+def marked(module) -> set[str]:
+    """The kernels whose weights a schedule may store in a layout of its own."""
     from tvm import tirx
 
     return {gv.name_hint for gv, func in module.functions_items()
             if isinstance(func, tirx.PrimFunc) and func.attrs and LAYOUT_FREE in func.attrs}
 
 
-def _without_marks(module, names: set[str]):
+def without_marks(module, names: set[str]):
     import tvm
 
     return tvm.IRModule({gv: func.without_attr(LAYOUT_FREE) if gv.name_hint in names else func
                          for gv, func in module.functions_items()}, attrs=module.attrs)
-
-
-def prefer_measured_layouts(module, target, database):
-    """Keeps each kernel's weights as they are where records measured that way (tuned before
-    prepacking, or for a shape where it does not pay: compute-bound matmuls already keep their
-    weight tiles in cache) run faster than the prepacked ones; the database decides, per kernel."""
-    marked = _marked(module)
-    if not marked:
-        return module
-    packed = {t.name: best_seconds(database, t) for t in extract_tasks(module, target) if t.name in marked}
-    plain = {t.name: best_seconds(database, t) for t in extract_tasks(_without_marks(module, marked), target)
-             if t.name in marked}
-    slower = {name for name, seconds in plain.items()
-              if seconds is not None and (packed.get(name) is None or seconds < packed[name])}
-    return _without_marks(module, slower) if slower else module
 
 
 def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
@@ -149,9 +143,12 @@ def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[
     return tasks
 
 
-def state(log_dir: Path) -> list:
-    """What a build's cache key needs: the database files' sizes and times."""
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in (log_dir / WORKLOADS_FILE, log_dir / RECORDS_FILE) if f.is_file()]
+def state(log_root: Path) -> list:
+    """What a build's cache key needs: the sizes and times of every database under the log root
+    (a build may take records from any of them)."""
+    files = sorted(log_root.glob(f"*/{COMPACT_FILE}")) + sorted(log_root.glob(f"*/{WORKLOADS_FILE}")) \
+        + sorted(log_root.glob(f"*/{RECORDS_FILE}")) + sorted(log_root.glob(f"*/{SUPERSEDED_FILE}"))
+    return [[str(f.relative_to(log_root)), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
 @contextmanager
@@ -205,8 +202,22 @@ def _superseded(log_dir: Path) -> dict[str, int]:
 def _lines(path: Path):
     if not path.is_file():
         return
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        yield from enumerate(handle, 1)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as handle:
+            yield from enumerate(handle, 1)
+    except (OSError, EOFError) as exc:  # a torn or foreign .gz: what was read stays, the rest is reported
+        yield 0, f"<{path.name} is damaged: {exc}>"
+
+
+def _checked_hash(mod, expected: str) -> int:
+    """The workload's structural hash, which must be the one its records were measured on."""
+    import tvm_ffi
+
+    digest = int(tvm_ffi.structural_hash(mod))
+    if f"{digest:x}" != expected:
+        raise ValueError(f"workload {expected} reads back as {digest:x}: its records do not belong to it")
+    return digest
 
 
 def _database_class():
@@ -232,19 +243,37 @@ def _database_class():
             self.workload_lines = 0
             self.record_lines = 0
             self.problems: list[str] = []
-            self._load(warn)
+            self.seen: set = set()  # (workload hash, trace): a record the compact file and the history both hold
+            self.trials: dict[int, int] = {}  # workload hash -> trials the compact file says were spent on it
+            self._load_compact(warn)
+            self._load_history(warn)
 
-        def _load(self, warn):
-            workloads, superseded_before = [], []
+        def _load_compact(self, warn):
+            for number, line in _lines(self.log_dir / COMPACT_FILE):
+                try:
+                    entry = json.loads(line)
+                    workload = ms.database.Workload.from_json(entry["mod"])
+                    digest = _checked_hash(workload.mod, entry["workload"])
+                    workload = self.memory.commit_workload(workload.mod)
+                    self.trials[digest] = max(self.trials.get(digest, 0), int(entry.get("trials", 0)))
+                    for record_json in entry["records"]:
+                        self._commit_once(digest, ms.database.TuningRecord.from_json(record_json, workload), record_json)
+                except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
+                    self._problem(warn, COMPACT_FILE, number, exc)
+
+        def _load_history(self, warn):
+            workloads, digests, superseded_before = [], [], []
             superseded = _superseded(self.log_dir)
             for number, line in _lines(self.log_dir / WORKLOADS_FILE):
                 try:
                     workload = ms.database.Workload.from_json(json.loads(line))
                     digest = self._remember(workload.mod, number - 1)
                     workloads.append(self.memory.commit_workload(workload.mod))
+                    digests.append(digest)
                     superseded_before.append(superseded.get(f"{digest:x}", 0))
-                except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
+                except Exception as exc:  # noqa: BLE001
                     workloads.append(None)
+                    digests.append(None)
                     superseded_before.append(0)
                     self._problem(warn, WORKLOADS_FILE, number, exc)
             self.workload_lines = len(workloads)
@@ -253,15 +282,31 @@ def _database_class():
                 if self.live and not line.endswith("\n"):
                     break
                 try:
-                    index, record_json = json.loads(line)
+                    index, record_json, *named = json.loads(line)
                     workload = workloads[index] if isinstance(index, int) and 0 <= index < len(workloads) else None
                     if workload is None:
                         raise ValueError(f"refers to workload line {index!r}, which is not readable")
+                    if named and named[0] != f"{digests[index]:x}":
+                        raise ValueError(f"was measured on workload {named[0]}, but line {index + 1} of "
+                                         f"{WORKLOADS_FILE} is workload {digests[index]:x} (was that file replaced?)")
                     if number <= superseded_before[index]:
                         continue
-                    self.memory.commit_tuning_record(ms.database.TuningRecord.from_json(record_json, workload))
+                    self._commit_once(digests[index], ms.database.TuningRecord.from_json(record_json, workload), record_json)
                 except Exception as exc:  # noqa: BLE001
                     self._problem(warn, RECORDS_FILE, number, exc)
+
+        def _commit_once(self, digest: int, record, record_json) -> None:
+            key = (digest, json.dumps(record_json[0]))
+            if key not in self.seen:
+                self.seen.add(key)
+                self.memory.commit_tuning_record(record)
+
+        def trials_spent(self, mod) -> int:
+            """Trials measured for a workload: its records, or what the compact file says was spent."""
+            import tvm_ffi
+
+            records = len(self.get_top_k(self.memory.commit_workload(mod), 1 << 30)) if self.has_workload(mod) else 0
+            return max(records, self.trials.get(int(tvm_ffi.structural_hash(mod)), 0))
 
         def supersede(self, mod) -> None:
             """From now on, only records measured after this call count for ``mod``'s workload
@@ -317,9 +362,12 @@ def _database_class():
 
         def commit_tuning_record(self, record) -> None:
             workload = self.commit_workload(record.workload.mod)
-            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), _record_json(record)]))
+            record_json = _record_json(record)
+            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record_json, workload_key(workload.mod)]))
             self.record_lines += 1
-            self.memory.commit_tuning_record(record)
+            import tvm_ffi
+
+            self._commit_once(int(tvm_ffi.structural_hash(workload.mod)), record, record_json)
 
         def get_top_k(self, workload, top_k: int):
             return self.memory.get_top_k(self.memory.commit_workload(workload.mod), top_k)
@@ -371,18 +419,49 @@ def open_database(log_dir: Path, warn=None, live: bool = False):
     return _database_class()(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)), live)
 
 
-def records_for(database, task: Task) -> list:
-    """The measured records of a task's workload, best first; none when it was never tuned."""
-    if not database.has_workload(task.module):
-        return []
-    return list(database.get_top_k(database.memory.commit_workload(task.module), 1 << 30))
-
-
 def best_seconds(database, task: Task) -> float | None:
-    records = records_for(database, task)
-    valid = [float(r.run_secs[0]) for r in records if r.run_secs and float(r.run_secs[0]) < 1e9]
-    return min(valid) if valid else None
+    """The mean time of the record a build applies (MetaSchedule's best by mean)."""
+    best = valid_records(database, task.module)[:1]
+    return sum(float(s) for s in best[0].run_secs) / len(best[0].run_secs) if best else None
 
 
-def is_tuned(database, task: Task) -> bool:
-    return best_seconds(database, task) is not None
+
+def valid_records(database, mod) -> list:
+    """A workload's measured records that ran, best first."""
+    if not database.has_workload(mod):
+        return []
+    return [r for r in database.get_top_k(database.memory.commit_workload(mod), 1 << 30)
+            if r.run_secs and float(r.run_secs[0]) < 1e9]
+
+
+def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
+    """Rewrites the shipped file from everything the folder holds: each workload's best ``top_k``
+    records that ran, with the trials spent on it. The history files are left as they are."""
+    import tvm_ffi
+
+    database = open_database(log_dir, warn)
+    groups: dict[int, tuple] = {}
+    for record in database.get_all_tuning_records():
+        digest = int(tvm_ffi.structural_hash(record.workload.mod))
+        groups.setdefault(digest, (record.workload, []))[1].append(record)
+    lines, kept = [], 0
+    for digest in sorted(groups):
+        workload, records = groups[digest]
+        best = valid_records(database, workload.mod)[:top_k]
+        if not best:
+            continue
+        kept += len(best)
+        lines.append(json.dumps({"workload": f"{digest:x}", "trials": database.trials_spent(workload.mod),
+                                 "mod": workload.as_json(), "records": [_record_json(r) for r in best]}))
+    path = log_dir / COMPACT_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as handle:
+            handle.write("".join(line + "\n" for line in lines).encode())
+        with open(tmp, "rb") as raw:
+            os.fsync(raw.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"database": str(log_dir), "workloads": len(lines), "records": kept,
+            "records_before": len(database.get_all_tuning_records()), "bytes": path.stat().st_size}
