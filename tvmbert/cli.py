@@ -160,14 +160,39 @@ def optimize(as_json, force, passes, disable, viz, **params):
 @click.option("--fresh", is_flag=True, help="With --retune: start those tasks' search over; their old records stop counting.")
 @click.option("--train", is_flag=True, help="Tune the forward and backward kernels of encoder layer 0 (add_tvm_dispatch).")
 @click.option("--task", "only", multiple=True, help="Only the tasks whose names match this regular expression (repeatable).")
+@click.option("--adapt", is_flag=True, help="Measure other CPUs' records on this CPU and keep them as its own, then search "
+              "where the time is (--trials, default 320): minutes, on a CPU without logs of its own.")
 @_quiet_warnings
-def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, fresh, train, only, **params):
+def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, fresh, train, only, adapt, **params):
     """Tune the model's kernels with MetaSchedule into the target's database."""
+    from .tune import adapt as run_adapt
     from .tune import tune as run
 
+    if adapt and (retune or fresh or train or only or trials_per_task):
+        raise InputError("--adapt takes none of --retune, --fresh, --train, --task, --trials-per-task")
     overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
-    result = run(_job(params, overrides), retune=retune, train=train, only=only, fresh=fresh).to_json()
+    job = _job(params, overrides)
+    result = (run_adapt(job) if adapt else run(job, retune=retune, train=train, only=only, fresh=fresh)).to_json()
     _emit(as_json, result, _print_tune)
+
+
+@cli.command()
+@click.option("--log-dir", default="tuning_logs", show_default=True, help="Where tuning databases live.")
+@click.option("--top-k", type=click.IntRange(1, 1000), default=8, show_default=True, help="Records kept per workload.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def compact(log_dir, top_k, as_json):
+    """Write each database's shipped file (records.jsonl.gz): the best records per workload."""
+    from . import tuning_db
+
+    root = Path(log_dir)
+    if not root.is_dir():
+        raise InputError(f"--log-dir {root} is not a folder")
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    results = []
+    for folder in folders:
+        with tuning_db.locked(folder, say=lambda message: err.print(message)):
+            results.append(tuning_db.compact(folder, top_k, warn=lambda message: err.print(f"warning: {message}", markup=False)))
+    _emit(as_json, {"databases": results}, _print_compact)
 
 
 @cli.command()
@@ -284,6 +309,12 @@ def _print_tune(result):
               + (f", est. end-to-end {result['estimated_e2e_ms']} ms" if result["estimated_e2e_ms"] else ""))
 
 
+def _print_compact(result):
+    for db in result["databases"]:
+        out.print(f"compact: {db['database']}: {db['records']} of {db['records_before']} records kept "
+                  f"({db['workloads']} workloads), {db['bytes'] / 1e6:.2f} MB")
+
+
 def _print_ops(result):
     table = Table(title=f"op counts ({' -> '.join(result['passes'])})")
     table.add_column("op")
@@ -295,8 +326,10 @@ def _print_ops(result):
 
 
 def _print_build(result):
+    from .build import summary
+
     out.print(f"build: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
-    out.print(f"tuned tasks: {result['tasks_tuned']}/{result['tasks_total']} from {result['database']}")
+    out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read'])}")
     if result["untuned"]:
         out.print(f"untuned (default schedules): {', '.join(result['untuned'])}")
 

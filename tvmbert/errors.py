@@ -33,3 +33,9 @@ class StageFailed(TvmbertError):
     """A stage failed for a reason that is not the user's input (TVM, PyTorch, exporter)."""
 
     exit_code = 1
+
+
+class Interrupted(TvmbertError):
+    """The user stopped a long stage (Ctrl-C); what it had finished is kept."""
+
+    exit_code = 130

@@ -13,7 +13,9 @@ import json
 import logging
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,8 +25,9 @@ from rich.live import Live
 from rich.table import Table
 
 from . import measure, tuning_db
+from .catalog import Catalog
 from .convert import load_module
-from .errors import InputError
+from .errors import InputError, Interrupted
 from .job import Job
 from .optimize import optimize
 from .targets import cpu_count
@@ -32,6 +35,8 @@ from .targets import cpu_count
 DONE_FILE = "tasks_done.json"  # one JSON object per line: {"workload": structural hash, "task", "trials"}
 TRIALS_PER_BATCH = 16  # candidates built and measured together; what an interruption can lose
 MIN_TRIALS_PER_TASK = 8  # below this a task's search has hardly started (unless --trials-per-task is lower)
+ADAPT_CANDIDATES = 3  # --adapt: the best records per kernel taken from each other CPU database, measured here
+ADAPT_TRIALS = 320  # --adapt: seeded search trials after measuring (about 4 minutes on 2 cores)
 
 
 @dataclass
@@ -111,6 +116,20 @@ def _check_writable(log_dir: Path) -> None:
         raise InputError(f"tuning log directory {log_dir} is not writable: {exc.strerror or exc}") from None
 
 
+def _prepare(job: Job) -> tuple[Path, int]:
+    """The database folder, checked writable, and the RPC servers to measure on (0: this machine)."""
+    options = job.config.tune
+    servers = 0
+    if options.rpc_tracker:
+        servers = measure.check_tracker(options.rpc_tracker, options.rpc_key)
+    elif job.target.is_gpu and not job.target.device_present():
+        raise InputError(f"tuning measures candidates on the device, and this machine has no {job.target.kind} GPU: "
+                         "pass --rpc-tracker HOST:PORT --rpc-key KEY of a tracker that serves one")
+    log_dir = job.log_dir()
+    _check_writable(log_dir)
+    return log_dir, servers
+
+
 def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, ...] = (), fresh: bool = False) -> TuneResult:
     """Tunes the job's inference kernels, or with ``train`` the forward and backward kernels of its
     first encoder layer (what ``add_tvm_dispatch`` compiles for ``bench --train``); ``only``:
@@ -125,14 +144,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
     except re.error as exc:
         raise InputError(f"--task {exc.pattern!r} is not a regular expression: {exc}") from None
     options = job.config.tune
-    log_dir = job.log_dir()
-    servers = 0
-    if options.rpc_tracker:
-        servers = measure.check_tracker(options.rpc_tracker, options.rpc_key)
-    elif job.target.is_gpu and not job.target.device_present():
-        raise InputError(f"tuning measures candidates on the device, and this machine has no {job.target.kind} GPU: "
-                         "pass --rpc-tracker HOST:PORT --rpc-key KEY of a tracker that serves one")
-    _check_writable(log_dir)
+    log_dir, servers = _prepare(job)
     if train:
         from . import training
 
@@ -171,15 +183,79 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
                 state.existing, state.best_us = 0, None
             database = tuning_db.open_database(log_dir, warn=lambda message: None)
         if todo:
-            _run(job, todo, database, log_dir, servers, retune, progress, started)
+            with _Session(job, database, log_dir, servers, progress, sum(p.remaining(retune) for _, p in todo), started) as session:
+                session.search(todo, retune)
+            _compact(job, log_dir)
         else:
             unfunded = sum(p.status == "no budget" for p in progress)
             job.say(f"tune: 0 new trials: {sum(p.status == 'done' for p in progress)} tasks already tuned in {log_dir}, "
                     f"{sum(p.status == 'trivial' for p in progress)} trivial ones need none"
                     + (f", {unfunded} get no trials from --trials {options.trials}" if unfunded else ""))
+    return _result(job, log_dir, tasks, progress, started)
+
+
+def adapt(job: Job) -> TuneResult:
+    """Makes other CPUs' records this CPU's own: measures, cold and at this machine's core count,
+    the best ADAPT_CANDIDATES records of every kernel from each other CPU database that fits,
+    keeps them under this CPU's key, then spends ``--trials`` (default ADAPT_TRIALS) of seeded
+    search on the kernels where the end-to-end time is, in proportion to their share of it.
+    Kernels that already have records of their own are left as they are; nothing is marked done,
+    so a full tune still tunes everything."""
+    log_dir, servers = _prepare(job)
+    optimized = job.upstream("optimize", optimize)
+    module = tuning_db.inference_module(load_module(optimized.path), job.target)
+    marked = tuning_db.marked(module)
+    kernels = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
+    # Both layouts of a prepackable kernel: the build picks whichever measures faster here.
+    variants = kernels + [t for t in tuning_db.extract_tasks(tuning_db.without_marks(module, marked), job.target)
+                          if t.name in marked]
+    started = time.perf_counter()
+    with tuning_db.locked(log_dir, say=job.say):
+        catalog = Catalog(log_dir, job.target.key, warn=lambda message: job.say(f"warning: {message}"))
+        if not catalog.others:
+            raise InputError(f"--adapt measures other CPUs' records here, and {log_dir.parent} holds no database of a CPU "
+                             f"that fits {job.target.key}")
+        database = catalog.native.database
+        candidates = [(task, [r for source in catalog.others for r in catalog.records(source, task.module)[:ADAPT_CANDIDATES]])
+                      for task in variants if not tuning_db.valid_records(database, task.module)]
+        candidates = [(task, records) for task, records in candidates if records]
+        progress = [TaskProgress(t.name, t.flops, t.weight, len(records), 0, "todo") for t, records in candidates]
+        trials = job.config.tune.trials or ADAPT_TRIALS
+        with _Session(job, database, log_dir, servers, progress, sum(p.budget for p in progress) + trials, started) as session:
+            for (task, records), state in zip(candidates, progress):
+                session.measure_records(task, state, records)
+            todo = _where_the_time_is(kernels, variants, database, trials, session.view.progress)
+            session.search(todo, retune=True, mark_done=False)
+        _compact(job, log_dir)
+    return _result(job, log_dir, variants, progress, started)
+
+
+def _where_the_time_is(kernels, variants, database, trials: int, progress: list[TaskProgress]):
+    """Per kernel, its faster measured layout, funded in proportion to its share of the estimated
+    end-to-end time (kernels below MIN_TRIALS_PER_TASK trials of it get none)."""
+    times = {}
+    for task in variants:
+        seconds = tuning_db.best_seconds(database, task)
+        if seconds is not None and (task.name not in times or seconds < times[task.name][0]):
+            times[task.name] = (seconds, task)
+    shares = sorted(((times[k.name][0] * k.weight, times[k.name][1]) for k in kernels if k.name in times),
+                    key=lambda item: -item[0])
+    total = sum(share for share, _ in shares) or 1.0
+    todo = []
+    for share, task in shares:
+        budget = int(trials * share / total)
+        if budget >= MIN_TRIALS_PER_TASK:
+            state = TaskProgress(task.name, task.flops, task.weight, budget, 0, "todo",
+                                 best_us=_best_us(database, task))
+            progress.append(state)
+            todo.append((task, state))
+    return todo
+
+
+def _result(job: Job, log_dir: Path, tasks, progress: list[TaskProgress], started: float) -> TuneResult:
     seconds = time.perf_counter() - started
     new_trials = sum(p.new_trials for p in progress)
-    tuned = [p for p in progress if p.best_us is not None]
+    tuned = _fastest(progress)
     return TuneResult(
         database=str(log_dir),
         target=job.target.key,
@@ -187,10 +263,24 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
         new_trials=new_trials,
         seconds=round(seconds, 1),
         trials_per_minute=round(new_trials * 60 / seconds, 1) if new_trials else None,
-        estimated_e2e_ms=round(sum(p.best_us * p.weight for p in tuned) / 1000, 3) if tuned else None,
+        estimated_e2e_ms=round(_estimate_ms(tuned), 3) if tuned else None,
         tasks=[p for p in progress if p.status != "trivial"],
         skipped_trivial=[p.name for p in progress if p.status == "trivial"],
     )
+
+
+def _fastest(progress: list[TaskProgress]) -> list[TaskProgress]:
+    """The measured tasks, a kernel measured in two layouts once, at its faster."""
+    best: dict[str, TaskProgress] = {}
+    for p in progress:
+        if p.best_us is not None and (p.name not in best or p.best_us < best[p.name].best_us):
+            best[p.name] = p
+    return list(best.values())
+
+
+def _estimate_ms(tuned: list[TaskProgress]) -> float:
+    """The end-to-end time the kernels' best records add up to (their time x calls)."""
+    return sum(p.best_us * p.weight for p in tuned) / 1000
 
 
 def _best_us(database, task) -> float | None:
@@ -198,48 +288,131 @@ def _best_us(database, task) -> float | None:
     return round(best * 1e6, 2) if best is not None else None
 
 
-def _run(job: Job, todo, database, log_dir: Path, servers: int, retune: bool, progress, started: float) -> None:
-    from tvm.s_tir import meta_schedule as ms
+class _Session:
+    """One tuning run's builder, runner and live progress table; records go to ``database`` as
+    they are measured. Interrupted (Ctrl-C), it says what was kept and how to resume."""
 
-    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
-    target = job.target.tvm_target()
-    remote = job.config.tune.rpc_tracker is not None
-    builder = measure.make_builder(cpu=job.target.kind == "llvm", workers=cpu_count())
-    cold = not job.target.is_gpu
-    runner = measure.make_rpc_runner(job.config.tune.rpc_tracker, job.config.tune.rpc_key, servers, cold) if remote \
-        else measure.make_local_runner(cold)
-    planned = sum(p.remaining(retune) for _, p in todo)
-    where = f"RPC tracker {job.config.tune.rpc_tracker} ({servers} '{job.config.tune.rpc_key}' devices)" if remote else "this machine"
-    job.say(f"tune: {len(todo)} tasks, {planned} trials, measured on {where}, into {log_dir}")
-    scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
-    view = _ProgressView(progress, planned, started)
-    try:
-        with Live(view.table(), console=Console(stderr=True), refresh_per_second=2, transient=False) as live:
-            for task, state in sorted(todo, key=lambda item: -item[0].cost):
-                remaining = state.remaining(retune)
-                state.status = "tuning"
-                live.update(view.table())
+    def __init__(self, job: Job, database, log_dir: Path, servers: int, progress: list[TaskProgress], planned: int,
+                 started: float):
+        self.job, self.database, self.log_dir, self.servers = job, database, log_dir, servers
+        self.view = _ProgressView(progress, planned, started)
+        self.target = job.target.tvm_target()
 
-                def counted(results, state=state, task=task):
-                    state.new_trials += len(results)
-                    state.best_us = _best_us(database, task)
-                    live.update(view.table())
+    def __enter__(self):
+        logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
+        options = self.job.config.tune
+        self.builder = measure.make_builder(cpu=self.job.target.kind == "llvm", workers=cpu_count())
+        cold = not self.job.target.is_gpu
+        self.runner = measure.make_rpc_runner(options.rpc_tracker, options.rpc_key, self.servers, cold) \
+            if options.rpc_tracker else measure.make_local_runner(cold)
+        where = (f"RPC tracker {options.rpc_tracker} ({self.servers} '{options.rpc_key}' devices)" if options.rpc_tracker
+                 else f"this machine ({cpu_count()} cores)")
+        self.job.say(f"tune: {self.view.planned} trials, measured on {where}, into {self.log_dir}")
+        self.scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
+        self.interrupted = signal_flag()
+        self.live = Live(self.view.table(), console=Console(stderr=True), refresh_per_second=2, transient=False)
+        self.live.__enter__()
+        return self
 
-                context = ms.TuneContext(mod=task.module, target=target, space_generator="post-order-apply",
-                                         search_strategy="evolutionary", task_name=task.name, num_threads=cpu_count())
-                ms.tune_tasks(
-                    tasks=[context], task_weights=[float(task.weight)], work_dir=str(scratch),
-                    max_trials_global=remaining, max_trials_per_task=remaining,
-                    num_trials_per_iter=min(TRIALS_PER_BATCH, remaining), builder=builder, runner=runner,
-                    database=database, cost_model="xgb",
-                    measure_callbacks=[*ms.MeasureCallback.create("default"), _progress_callback(counted)],
-                )
-                state.best_us, state.status = _best_us(database, task), "done"
-                _mark_done(log_dir, task, state.existing + state.new_trials)
-                live.update(view.table())
-    finally:
-        builder.shutdown()
-        shutil.rmtree(scratch, ignore_errors=True)
+    def __exit__(self, kind, exc, tb):
+        self.live.__exit__(kind, exc, tb)
+        self.builder.shutdown()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.interrupted.restore()
+        if kind is not None and (issubclass(kind, KeyboardInterrupt) or self.interrupted.fired):
+            kept = sum(p.new_trials for p in self.view.progress)
+            raise Interrupted(f"tuning interrupted: the {kept} trials measured in this run are kept in {self.log_dir}; "
+                              "run the same command again to resume where it stopped") from None
+        return False
+
+    def refresh(self) -> None:
+        self.live.update(self.view.table())
+
+    def search(self, todo, retune: bool, mark_done: bool = True) -> None:
+        """MetaSchedule's evolutionary search per task, costliest first, seeded by the database's records."""
+        from tvm.s_tir import meta_schedule as ms
+
+        for task, state in sorted(todo, key=lambda item: -item[0].cost):
+            remaining = state.remaining(retune)
+            state.status = "tuning"
+            self.refresh()
+
+            def counted(results, state=state, task=task):
+                state.new_trials += len(results)
+                state.best_us = _best_us(self.database, task)
+                self.refresh()
+
+            context = ms.TuneContext(mod=task.module, target=self.target, space_generator="post-order-apply",
+                                     search_strategy="evolutionary", task_name=task.name, num_threads=cpu_count())
+            ms.tune_tasks(
+                tasks=[context], task_weights=[float(task.weight)], work_dir=str(self.scratch),
+                max_trials_global=remaining, max_trials_per_task=remaining,
+                num_trials_per_iter=min(TRIALS_PER_BATCH, remaining), builder=self.builder, runner=self.runner,
+                database=self.database, cost_model="xgb",
+                measure_callbacks=[*ms.MeasureCallback.create("default"), _progress_callback(counted)],
+            )
+            state.best_us, state.status = _best_us(self.database, task), "done"
+            if mark_done:
+                _mark_done(self.log_dir, task, state.existing + state.new_trials)
+            self.refresh()
+
+    def measure_records(self, task: tuning_db.Task, state: TaskProgress, records: list) -> None:
+        """Times other CPUs' records of ``task`` here, cold, and stores them as this CPU's."""
+        import tvm
+        from tvm.s_tir import meta_schedule as ms
+        from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+        state.status = "measuring"
+        self.refresh()
+        workload = self.database.commit_workload(task.module)
+        device = "cpu" if self.job.target.kind == "llvm" else self.job.target.kind
+        for start in range(0, len(records), TRIALS_PER_BATCH):
+            batch = records[start:start + TRIALS_PER_BATCH]
+            modules = []
+            for record in batch:
+                schedule = tvm.s_tir.Schedule(task.module)
+                record.trace.apply_to_schedule(schedule, remove_postproc=False)
+                modules.append(schedule.mod)
+            # As MetaSchedule measures: a weight the schedule lays out anew arrives in that layout.
+            args = [ArgInfo.from_entry_func(mod, remove_preproc=True) for mod in modules]
+            built = self.builder.build([ms.builder.BuilderInput(mod, self.target) for mod in modules])
+            inputs = [ms.runner.RunnerInput(b.artifact_path, device, a) for b, a in zip(built, args) if b.error_msg is None]
+            results = iter([future.result() for future in self.runner.run(inputs)])
+            for record, outcome, arg_info in zip(batch, built, args):
+                result = next(results) if outcome.error_msg is None else None
+                if result is not None and result.error_msg is None and result.run_secs:
+                    self.database.commit_tuning_record(ms.database.TuningRecord(
+                        record.trace, workload, result.run_secs, self.target, arg_info))
+            state.new_trials += len(batch)
+            state.best_us = _best_us(self.database, task)
+            self.refresh()
+        state.status = "measured"
+        self.refresh()
+
+
+class signal_flag:
+    """Ctrl-C while MetaSchedule runs our callbacks reaches us as a RuntimeError from the FFI:
+    the flag tells an interruption from a failure."""
+
+    def __init__(self):
+        self.fired = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.fired = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _compact(job: Job, log_dir: Path) -> None:
+    """Keeps the shipped file current with what this run measured."""
+    summary = tuning_db.compact(log_dir, warn=lambda message: None)
+    job.say(f"tune: {summary['records']} best records of {summary['workloads']} workloads in {log_dir / tuning_db.COMPACT_FILE}")
 
 
 def _progress_callback(on_batch):
@@ -263,8 +436,8 @@ class _ProgressView:
         trials = sum(p.new_trials for p in rows)
         elapsed = time.perf_counter() - self.started
         eta = (self.planned - trials) * elapsed / trials if trials else None
-        tuned = [p for p in rows if p.best_us is not None]
-        e2e = sum(p.best_us * p.weight for p in tuned) / 1000
+        tuned = _fastest(rows)
+        e2e = _estimate_ms(tuned)
         done = sum(p.status == "done" for p in rows)
         caption = (f"tasks {done}/{len(rows)} · trials {trials}/{self.planned} · elapsed {elapsed:,.0f} s"
                    + (f" · ETA {eta:,.0f} s" if eta is not None else "")
