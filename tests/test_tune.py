@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tvmbert import tuning_db
+from tvmbert.catalog import Catalog
 from tvmbert.tune import plan
 from tvmbert.tuning_db import Task
 
@@ -63,8 +64,7 @@ def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned
     assert "TransformLayout" in records_file(tuned).read_text()
     # Only prepacked records here: every marked kernel keeps its mark. Records of the same kernels
     # measured with the weights as they are, and faster, would take the marks off (build's choice).
-    database = tuning_db.open_database(job.log_dir())
-    assert tuning_db.prefer_measured_layouts(module, job.target, database) is module
+    assert Catalog(job.log_dir(), job.target.key, print).prefer_measured_layouts(module, job.target) is module
     built = tvmbert("build", "bert-tiny", "--log-dir", str(tuned), "--json")
     assert built.code == 0, built.stderr
     shapes = [w.shape for w in load_params(Path(built.json["artifact"]).parent / PARAMS_FILE).values()]
@@ -82,7 +82,8 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))
     optimized = load_module(optimize(job).path)
     marked = tuning_db.inference_module(optimized, job.target)
-    database = tuning_db.open_database(job.log_dir())
+    catalog = Catalog(job.log_dir(), job.target.key, print)
+    database = catalog.native.database
     # A record of the attention output projection with its weight as it is, faster than any prepacked one.
     plain = next(t for t in tuning_db.extract_tasks(tuning_db.entry_module(optimized, "main"), job.target)
                  if t.name == "fused_matmul3_add4")
@@ -91,8 +92,8 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
     database.commit_tuning_record(ms.database.TuningRecord(
         schedule.trace, database.commit_workload(plain.module), [1e-9],
         job.target.tvm_target(), ms.arg_info.ArgInfo.from_prim_func(plain.module["main"])))
-    chosen = tuning_db.prefer_measured_layouts(marked, job.target, database)
-    assert tuning_db._marked(marked) - tuning_db._marked(chosen) == {"fused_matmul3_add4"}
+    chosen = catalog.prefer_measured_layouts(marked, job.target)
+    assert tuning_db.marked(marked) - tuning_db.marked(chosen) == {"fused_matmul3_add4"}
 
 
 def test_second_identical_tune_does_zero_trials(tvmbert, tuned):

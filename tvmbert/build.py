@@ -105,7 +105,8 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
     live = tuning_db.tuning_active(log_dir)
     if live:
         say(f"{announce or 'compile'}: a tuning run is writing to {log_dir}; building with the records measured so far")
-    catalog = Catalog(log_dir, target.key, warn=lambda message: say(f"warning: {message}"), live=live)
+    catalog = Catalog(log_dir, target.key, warn=lambda message: say(f"warning: {message}"), live=live,
+                      cores=target.config.get("num-cores"))
     module = catalog.prefer_measured_layouts(module, target)
     tasks = [t for t in tuning_db.extract_tasks(module, target, entries) if not t.trivial]
     schedules, database = catalog.schedules(tasks)

@@ -102,8 +102,9 @@ class Catalog:
     """This target's database first, then, on CPUs, the other CPUs' databases under the same log
     root, nearest first."""
 
-    def __init__(self, log_dir: Path, target_key: str, warn, live: bool = False):
+    def __init__(self, log_dir: Path, target_key: str, warn, live: bool = False, cores: int | None = None):
         self.key = target_key
+        self.cores = cores  # records measured at this core count come first: their parallel extents fit it
         self.native = Source(target_key, tuning_db.open_database(log_dir, warn=warn, live=live))
         self.cpu = describe(target_key)
         self.others: list[Source] = []
@@ -123,9 +124,16 @@ class Catalog:
         return [self.native, *self.others]
 
     def records(self, source: Source, mod) -> list:
-        """``source``'s records of a workload that ran and fit this CPU, best first."""
+        """``source``'s records of a workload that ran and fit this CPU, best first; those
+        measured at this machine's core count before the others."""
         found = tuning_db.valid_records(source.database, mod)
-        return found if source is self.native or self.cpu is None else [r for r in found if fits(r, self.cpu)]
+        if source is not self.native and self.cpu is not None:
+            found = [r for r in found if fits(r, self.cpu)]
+        return sorted(found, key=lambda r: self.cores is not None and measured_cores(r) != self.cores)
+
+    def measured_here(self, mod) -> bool:
+        """Whether this CPU's database holds a record of ``mod`` measured at this core count."""
+        return any(measured_cores(r) == self.cores for r in tuning_db.valid_records(self.native.database, mod))
 
     def nearest(self, mods) -> Source | None:
         """The nearest database holding a usable record for any of ``mods``."""
@@ -174,6 +182,11 @@ class Catalog:
         chosen = {t.name: self.nearest([t.module]) for t in tasks}
         database = self.database_of({t.module: chosen[t.name] for t in tasks if chosen[t.name] is not None})
         return {name: source.label(self.key) if source else DEFAULT for name, source in chosen.items()}, database
+
+
+def measured_cores(record) -> int | None:
+    cores = record.target.attrs.get("num-cores")
+    return int(cores) if cores is not None else None
 
 
 def _mean_seconds(records) -> float | None:

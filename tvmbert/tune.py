@@ -211,13 +211,15 @@ def adapt(job: Job) -> TuneResult:
                           if t.name in marked]
     started = time.perf_counter()
     with tuning_db.locked(log_dir, say=job.say):
-        catalog = Catalog(log_dir, job.target.key, warn=lambda message: job.say(f"warning: {message}"))
-        if not catalog.others:
-            raise InputError(f"--adapt measures other CPUs' records here, and {log_dir.parent} holds no database of a CPU "
-                             f"that fits {job.target.key}")
+        catalog = Catalog(log_dir, job.target.key, warn=lambda message: job.say(f"warning: {message}"),
+                          cores=cpu_count())
         database = catalog.native.database
-        candidates = [(task, [r for source in catalog.others for r in catalog.records(source, task.module)[:ADAPT_CANDIDATES]])
-                      for task in variants if not tuning_db.valid_records(database, task.module)]
+        # This CPU's records measured on another core count are measured again, as other CPUs' are.
+        candidates = [(task, [r for source in catalog.sources for r in catalog.records(source, task.module)[:ADAPT_CANDIDATES]])
+                      for task in variants if not catalog.measured_here(task.module)]
+        if not any(records for _, records in candidates) and not any(catalog.measured_here(t.module) for t in variants):
+            raise InputError(f"--adapt measures other CPUs' records here, and {log_dir.parent} holds no records for "
+                             f"{job.config.model} from a CPU that fits {job.target.key}")
         candidates = [(task, records) for task, records in candidates if records]
         progress = [TaskProgress(t.name, t.flops, t.weight, len(records), 0, "todo") for t, records in candidates]
         trials = job.config.tune.trials or ADAPT_TRIALS
@@ -309,13 +311,16 @@ class _Session:
                  else f"this machine ({cpu_count()} cores)")
         self.job.say(f"tune: {self.view.planned} trials, measured on {where}, into {self.log_dir}")
         self.scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
-        self.interrupted = signal_flag()
-        self.live = Live(self.view.table(), console=Console(stderr=True), refresh_per_second=2, transient=False)
+        self.interrupted = signal_flag(self.job.say)
+        self.console = Console(stderr=True)
+        self.live = Live(self.view.table(), console=self.console, refresh_per_second=2, transient=False)
         self.live.__enter__()
         return self
 
     def __exit__(self, kind, exc, tb):
         self.live.__exit__(kind, exc, tb)
+        if not self.console.is_terminal:
+            self.console.line()  # the last frame ends mid-line when stderr is a file or a pipe
         self.builder.shutdown()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.interrupted.restore()
@@ -333,6 +338,7 @@ class _Session:
         from tvm.s_tir import meta_schedule as ms
 
         for task, state in sorted(todo, key=lambda item: -item[0].cost):
+            self.interrupted.check()
             remaining = state.remaining(retune)
             state.status = "tuning"
             self.refresh()
@@ -341,6 +347,7 @@ class _Session:
                 state.new_trials += len(results)
                 state.best_us = _best_us(self.database, task)
                 self.refresh()
+                self.interrupted.check()
 
             context = ms.TuneContext(mod=task.module, target=self.target, space_generator="post-order-apply",
                                      search_strategy="evolutionary", task_name=task.name, num_threads=cpu_count())
@@ -386,23 +393,32 @@ class _Session:
             state.new_trials += len(batch)
             state.best_us = _best_us(self.database, task)
             self.refresh()
+            self.interrupted.check()
         state.status = "measured"
         self.refresh()
 
 
 class signal_flag:
-    """Ctrl-C while MetaSchedule runs our callbacks reaches us as a RuntimeError from the FFI:
-    the flag tells an interruption from a failure."""
+    """Ctrl-C while tuning: raising in the middle of MetaSchedule's C++ can abort the process,
+    so the first Ctrl-C only asks the run to stop after the batch in flight (the next progress
+    callback raises); a second one stops at once."""
 
-    def __init__(self):
+    def __init__(self, say):
         self.fired = False
+        self.say = say
         self.previous = None
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
+        if self.fired:
+            raise KeyboardInterrupt
         self.fired = True
-        raise KeyboardInterrupt
+        self.say("tune: interrupted; stopping after the batch being measured (Ctrl-C again to stop at once)")
+
+    def check(self) -> None:
+        if self.fired:
+            raise KeyboardInterrupt
 
     def restore(self) -> None:
         if self.previous is not None:

@@ -216,7 +216,7 @@ def _checked_hash(mod, expected: str) -> int:
 
     digest = int(tvm_ffi.structural_hash(mod))
     if f"{digest:x}" != expected:
-        raise ValueError(f"workload {expected} reads back as {digest:x}: its records do not belong to it")
+        raise ValueError(f"workload {expected} reads back as {digest:x}: not its records")
     return digest
 
 
@@ -296,7 +296,9 @@ def _database_class():
                     self._problem(warn, RECORDS_FILE, number, exc)
 
         def _commit_once(self, digest: int, record, record_json) -> None:
-            key = (digest, json.dumps(record_json[0]))
+            # The same schedule measured on another core count is another measurement.
+            key = (digest, json.dumps(record_json[0]), json.dumps(record_json[2].get("num-cores")
+                                                                  if isinstance(record_json[2], dict) else None))
             if key not in self.seen:
                 self.seen.add(key)
                 self.memory.commit_tuning_record(record)
@@ -317,7 +319,7 @@ def _database_class():
                 os.fsync(handle.fileno())
 
         def _problem(self, warn, name, number, exc):
-            message = f"{self.log_dir / name}:{number}: skipped an unreadable line ({type(exc).__name__}: {str(exc)[:80]})"
+            message = f"{self.log_dir / name}:{number}: skipped an unreadable line ({type(exc).__name__}: {str(exc)[:160]})"
             self.problems.append(message)
             warn(message)
 

@@ -1,0 +1,218 @@
+"""Records across CPUs, default CPU schedules, the shipped compact logs, --adapt, interruption."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tvmbert import catalog, tuning_db
+from tvmbert.catalog import Catalog
+from tvmbert.targets import resolve
+
+HOST = resolve("llvm").key
+# A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
+OTHER_TARGET = "llvm -mcpu=skylake-avx512"
+SMALL = ("--trials", "52", "--trials-per-task", "4")
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, workdir):
+    """bert-tiny tuned once, under this CPU's key."""
+    from tvmbert.cli import main
+
+    log_dir = tmp_path_factory.mktemp("logs")
+    assert main(["tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
+    return log_dir
+
+
+def fake_record(*insts):
+    return SimpleNamespace(trace=SimpleNamespace(insts=[
+        SimpleNamespace(kind=SimpleNamespace(name=kind), attrs=attrs, inputs=inputs) for kind, attrs, inputs in insts]))
+
+
+def test_nearest_cpu_first_same_isa_level_before_same_vendor_never_another_architecture(tmp_path):
+    for key in ("llvm-znver4", "llvm-haswell", "llvm-neoverse-v1", "llvm-icelake-server", "cuda-sm_90"):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / tuning_db.COMPACT_FILE).write_bytes(gzip.compress(b""))
+    found = Catalog(tmp_path / "llvm-skylake-avx512", "llvm-skylake-avx512", print)
+    # AVX-512 Intel, then AVX-512 AMD, then AVX2 Intel; no Arm, no GPU.
+    assert [s.key for s in found.others] == ["llvm-icelake-server", "llvm-znver4", "llvm-haswell"]
+    arm = Catalog(tmp_path / "llvm-neoverse-n1", "llvm-neoverse-n1", print)
+    assert [s.key for s in arm.others] == ["llvm-neoverse-v1"]
+    assert catalog.describe("llvm-notacpu") is None
+
+
+def test_a_record_tensorized_with_a_missing_instruction_never_fits():
+    vnni = fake_record(("GetSBlock", [], []), ("Tensorize", ["dot_16x4_vnni", True], ["b0"]))
+    auto = fake_record(("Annotate", ["meta_schedule.auto_tensorize"], ["b0", "dot_16x4_avx512"]))
+    unknown = fake_record(("Tensorize", ["amx_tile_mystery", True], ["b0"]))
+    plain = fake_record(("Split", [True], ["l0"]))
+    zen, haswell, skx = (catalog.describe(k) for k in ("llvm-znver4", "llvm-haswell", "llvm-skylake-avx512"))
+    assert catalog.fits(vnni, zen) and not catalog.fits(vnni, haswell) and not catalog.fits(vnni, skx)
+    assert catalog.fits(auto, skx) and not catalog.fits(auto, haswell)
+    assert not catalog.fits(unknown, zen)  # an intrinsic we cannot vouch for is never carried
+    assert catalog.fits(plain, haswell)
+
+
+def test_build_on_a_cpu_without_logs_takes_every_schedule_from_the_nearest_one(tvmbert, tuned):
+    built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
+    assert built.code == 0, built.stderr
+    assert built.json["tasks_tuned"] == built.json["tasks_total"] == 13
+    assert set(built.json["schedules"].values()) == {f"transferred from {HOST}"}
+    assert f"13 transferred from {HOST}" in built.stderr and "--adapt" in built.stderr
+    assert str(tuned / HOST) in built.json["databases_read"]
+    verified = tvmbert("verify", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
+    assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
+
+
+def test_a_change_in_any_database_invalidates_the_build(tvmbert, tuned, tmp_path):
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned, logs)
+    first = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
+    assert set(first.json["schedules"].values()) == {f"transferred from {HOST}"}
+    shutil.rmtree(logs / HOST)
+    again = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
+    assert again.code == 0 and not again.json["cached"]
+    assert set(again.json["schedules"].values()) == {"default"}
+
+
+def test_default_schedules_leave_no_kernel_a_naive_loop_nest(tvmbert, workdir, tmp_path):
+    import numpy as np
+    import tvm
+    from tvm.s_tir.meta_schedule.arg_info import ArgInfo
+
+    from tvmbert import Job, JobConfig, optimize
+    from tvmbert.convert import load_module
+    from tvmbert.cpu_schedules import default_cpu_schedules
+
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
+    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    target = job.target.tvm_target()
+    rng = np.random.default_rng(0)
+    for task in tuning_db.extract_tasks(module, job.target):
+        with target:
+            scheduled = default_cpu_schedules()(task.module)
+        if task.trivial:
+            continue
+        assert scheduled["main"].attrs.get("tirx.is_scheduled"), task.name
+        text = scheduled["main"].script()
+        assert "T.parallel" in text or "T.vectorized" in text, task.name
+        arrays = [rng.standard_normal([int(d) for d in a.shape]).astype(a.dtype) if "float" in a.dtype
+                  else np.zeros([int(d) for d in a.shape], a.dtype) for a in ArgInfo.from_prim_func(task.module["main"])]
+        outputs = []
+        for mod in (task.module, scheduled):
+            tensors = [tvm.runtime.tensor(a) for a in arrays]
+            tvm.compile(mod, target=target)(*tensors)
+            outputs.append(tensors[-1].numpy())
+        np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-5, atol=1e-5, err_msg=task.name)
+    built = tvmbert("build", "bert-tiny", "--log-dir", str(tmp_path), "--json")
+    assert built.code == 0 and set(built.json["schedules"].values()) == {"default"}
+    verified = tvmbert("verify", "bert-tiny", "--log-dir", str(tmp_path), "--dtype", "float64", "--json")
+    assert verified.code == 0, verified.stderr
+
+
+def test_compact_keeps_the_best_records_and_builds_choose_the_same(tvmbert, tuned, tmp_path):
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned, logs)
+    history = tuning_db.open_database(logs / HOST)
+    compacted = tvmbert("compact", "--log-dir", str(logs), "--top-k", "2", "--json", workdir_arg=False)
+    assert compacted.code == 0, compacted.stderr
+    (summary,) = compacted.json["databases"]
+    assert summary["records"] < summary["records_before"]
+    for name in (tuning_db.WORKLOADS_FILE, tuning_db.RECORDS_FILE):
+        (logs / HOST / name).unlink()  # a fresh clone: the shipped file alone
+    shipped = tuning_db.open_database(logs / HOST)
+    for record in history.get_all_tuning_records():
+        best = tuning_db.valid_records(history, record.workload.mod)[:1]
+        again = tuning_db.valid_records(shipped, record.workload.mod)[:1]
+        assert [str(r.trace) for r in best] == [str(r.trace) for r in again]
+    built = tvmbert("build", "bert-tiny", "--log-dir", str(logs), "--json")
+    assert built.json["tasks_tuned"] == 13 and set(built.json["schedules"].values()) == {"native"}
+    # Done tasks stay done with only the shipped records.
+    again = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(logs), "--json")
+    assert again.code == 0 and again.json["new_trials"] == 0
+
+
+def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned, logs)
+    folder = logs / HOST
+    # The history's workload file replaced (here: two lines swapped): records name their workload.
+    workloads = (folder / tuning_db.WORKLOADS_FILE).read_text().splitlines()
+    workloads[0], workloads[1] = workloads[1], workloads[0]
+    (folder / tuning_db.WORKLOADS_FILE).write_text("\n".join(workloads) + "\n")
+    (folder / tuning_db.COMPACT_FILE).unlink()
+    warnings = []
+    database = tuning_db.open_database(folder, warn=warnings.append)
+    assert warnings and all("was measured on workload" in w for w in warnings)
+    for record in database.get_all_tuning_records():
+        assert tuning_db.workload_key(record.workload.mod) in {json.loads(line)[2] for line in
+                                                                (folder / tuning_db.RECORDS_FILE).read_text().splitlines()}
+    # A compact line whose IR is not the workload its hash names is refused.
+    shutil.rmtree(folder)
+    shutil.copytree(tuned / HOST, folder)
+    for name in (tuning_db.WORKLOADS_FILE, tuning_db.RECORDS_FILE):
+        (folder / name).unlink()
+    lines = gzip.decompress((folder / tuning_db.COMPACT_FILE).read_bytes()).decode().splitlines()
+    first, second = json.loads(lines[0]), json.loads(lines[1])
+    first["mod"] = second["mod"]
+    lines[0] = json.dumps(first)
+    (folder / tuning_db.COMPACT_FILE).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    warnings = []
+    tuning_db.open_database(folder, warn=warnings.append)
+    assert len(warnings) == 1 and "reads back as" in warnings[0] and "not its records" in warnings[0]
+    # "done" with no readable record is not done: tune spends trials on it again.
+    retuned = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(logs), "--json")
+    assert retuned.code == 0 and retuned.json["new_trials"] > 0
+
+
+def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned, logs)
+    adapted = tvmbert("tune", "bert-tiny", "--target", OTHER_TARGET, "--adapt", "--trials", "16",
+                      "--log-dir", str(logs), "--json")
+    assert adapted.code == 0, adapted.stderr
+    assert adapted.json["target"] == "llvm-skylake-avx512" and adapted.json["new_trials"] > 13
+    assert "ETA" in adapted.stderr
+    built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
+    assert built.code == 0 and set(built.json["schedules"].values()) == {"native"}
+    # Measured here, at this machine's core count.
+    database = tuning_db.open_database(logs / "llvm-skylake-avx512")
+    targets = {str(r.target.attrs["mcpu"]) + "/" + str(r.target.attrs["num-cores"]) for r in database.get_all_tuning_records()}
+    assert targets == {f"skylake-avx512/{os.cpu_count()}"}
+    assert (logs / "llvm-skylake-avx512" / tuning_db.COMPACT_FILE).is_file()
+    nothing = tvmbert("tune", "bert-tiny", "--adapt", "--log-dir", str(tmp_path / "empty"))
+    assert nothing.code == 2 and "holds no records for bert-tiny" in nothing.stderr
+
+
+def test_interrupted_tune_says_how_to_resume(tmp_path, workdir):
+    log_dir = tmp_path / "logs"
+    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", "64", "--trials-per-task", "16",
+               "--log-dir", str(log_dir), "--workdir", str(workdir)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        files = list(log_dir.glob("*/" + tuning_db.RECORDS_FILE))
+        if files and files[0].read_text().count("\n") >= 16:
+            break
+        time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: tuning interrupted") and "run the same command again to resume" in last
+    assert "internal failure" not in stderr and "Traceback" not in stderr
+    assert Path(files[0]).read_text().count("\n") >= 16  # what was measured is kept
+
+
+pytestmark = pytest.mark.slow
