@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -87,3 +89,46 @@ def test_missing_config_file(tvmbert, tmp_path):
 
 def test_unknown_option_is_a_usage_error(tvmbert):
     assert_one_line_error(tvmbert("trace", "bert-tiny", "--frobnicate"), "--frobnicate")
+
+
+@pytest.fixture(scope="module")
+def built_tiny(workdir):
+    from tvmbert import Job, JobConfig, build
+    from tvmbert.runtime import CompiledModel
+
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir)))
+    return CompiledModel(build(job), job), [t.numpy() for t in job.inputs.as_tuple()]
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("input_ids", 10**6, "input_ids holds 1000000 at [0, 3]: it must be in [0, 30522)"),
+    ("input_ids", 30522, "in [0, 30522)"),
+    ("input_ids", -1, "input_ids holds -1"),
+    ("input_ids", 10**12, "in [0, 30522)"),
+    ("token_type_ids", 5, "token_type_ids holds 5 at [0, 3]: it must be in [0, 2)"),
+    ("attention_mask", 2, "attention_mask holds 2 at [0, 3]: it must be 0 or 1"),
+])
+def test_out_of_range_inputs_never_reach_the_library(built_tiny, name, value, fragment):
+    """TVM's take does no bounds check: NaN, plausible garbage or a segfault otherwise."""
+    import numpy as np
+
+    from tvmbert.errors import InputError
+    from tvmbert.models import INPUT_NAMES
+
+    compiled, good = built_tiny
+    arrays = [a.copy() for a in good]
+    arrays[INPUT_NAMES.index(name)][0, 3] = value
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        compiled(arrays)
+    assert all(np.isfinite(out).all() for out in compiled(good))
+
+
+def test_inputs_of_another_shape_or_dtype_are_refused(built_tiny):
+    from tvmbert.errors import InputError
+
+    compiled, (ids, mask, segments) = built_tiny
+    with pytest.raises(InputError, match=r"input_ids has shape \[1, 13\]; this build takes \[1, 14\]"):
+        compiled([ids[:, :13], mask[:, :13], segments[:, :13]])
+    with pytest.raises(InputError, match="attention_mask must hold integers, got float32"):
+        compiled([ids, mask.astype("float32"), segments])
+    assert compiled([ids.astype("int32"), mask, segments])[0].shape == (1, 14, 128)

@@ -79,7 +79,7 @@ def _rss_mb() -> float:
 
 def _tvm(job: Job, inputs) -> Engine:
     built = job.upstream("build", build)
-    compiled = CompiledModel(built, job.target.device())
+    compiled = CompiledModel(built, job)
     device_inputs = compiled.to_device([t.numpy() for t in inputs])
 
     def run():

@@ -56,6 +56,8 @@ class ModelSource:
     path: Path | None
     fingerprint: str  # changes when the config or the weights change
     max_positions: int
+    vocab_size: int  # input_ids are in [0, vocab_size)
+    type_vocab_size: int  # token_type_ids are in [0, type_vocab_size); RoBERTa-style models have 1
 
 
 def _hash(*parts: str) -> str:
@@ -72,6 +74,8 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
             path=None,
             fingerprint=_hash(json.dumps(PRESETS[name], sort_keys=True), f"seed={seed}"),
             max_positions=PRESET_MAX_POSITIONS,
+            vocab_size=PRESET_VOCAB_SIZE,
+            type_vocab_size=PRESET_SEGMENTS,
         )
     path = Path(name).expanduser()
     looks_like_path = os.sep in name or name.startswith(".") or path.exists()
@@ -106,8 +110,18 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
         preset=None,
         path=resolved,
         fingerprint=_hash(config_file.read_text(), *stats),
-        max_positions=int(config_json.get("max_position_embeddings", 512)),
+        max_positions=_positive(config_json, "max_position_embeddings", 512, config_file),
+        vocab_size=_positive(config_json, "vocab_size", 30522, config_file),
+        type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file),
     )
+
+
+def _positive(config_json: dict, key: str, default: int, config_file: Path) -> int:
+    """A size from config.json, checked here: a bad one would otherwise fail deep in transformers."""
+    value = config_json.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{config_file}: '{key}' must be a number >= 1, got {value!r}")
+    return value
 
 
 def _preset_config(name: str):
@@ -181,7 +195,7 @@ def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: s
         return _tokenized(source, batch, seq_len, text or DEFAULT_TEXT)
     seq_len = seq_len or DEFAULT_SEQ_LEN
     check_seq_len(source, seq_len)
-    vocab, segment_kinds = _vocab_sizes(source)
+    vocab, segment_kinds = source.vocab_size, source.type_vocab_size
     generator = torch.Generator().manual_seed(1234)
     # Ids start above the special tokens so every row looks like ordinary text.
     ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, seq_len), generator=generator)
@@ -203,14 +217,6 @@ def check_seq_len(source: ModelSource, seq_len: int) -> None:
         raise InputError(f"--seq-len must be positive, got {seq_len}")
     if seq_len > source.max_positions:
         raise InputError(f"--seq-len {seq_len} is above the model's max_position_embeddings ({source.max_positions})")
-
-
-def _vocab_sizes(source: ModelSource) -> tuple[int, int]:
-    """(vocab_size, type_vocab_size): RoBERTa-style models have a single segment id."""
-    if source.preset is not None:
-        return PRESET_VOCAB_SIZE, PRESET_SEGMENTS
-    config = json.loads((source.path / "config.json").read_text())
-    return int(config.get("vocab_size", 30522)), int(config.get("type_vocab_size", 2))
 
 
 def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) -> ExampleInputs:
