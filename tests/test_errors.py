@@ -52,6 +52,19 @@ def test_unknown_target(tvmbert):
     assert_one_line_error(tvmbert("build", "bert-tiny", "--target", "vulkan"), "unknown target")
 
 
+@pytest.mark.parametrize("target, fragment", [("llvm -mcpu=notacpu", "LLVM knows no CPU"), ("llvm -mcpu='x", "No closing quotation")])
+def test_bad_target_details(tvmbert, target, fragment):
+    assert_one_line_error(tvmbert("build", "bert-tiny", "--target", target), fragment)
+
+
+@pytest.mark.parametrize("option", ["--log-dir", "--workdir"])
+def test_a_folder_option_that_is_a_file(tvmbert, tmp_path, option):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_one_line_error(tvmbert("build", "bert-tiny", option, str(blocker)), option, "is a file, not a folder")
+    assert_one_line_error(tvmbert("build", "bert-tiny", option, str(blocker / "below")), "is a file, not a folder")
+
+
 def test_malformed_yaml(tvmbert, tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model: bert-tiny\nbatch: [1\n")

@@ -88,6 +88,7 @@ class JobConfig:
     def validate(self, where: str = "options") -> JobConfig:
         _require(self.batch >= 1, where, "batch", "a number >= 1")
         _require(self.seq_len is None or self.seq_len >= 1, where, "seq_len", "a number >= 1")
+        _require(self.text is None or bool(self.text.strip()), where, "text", "a text that is not empty")
         _require(self.dtype in DTYPE_NAMES, where, "dtype", f"one of {', '.join(DTYPE_NAMES)}")
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")

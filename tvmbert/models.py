@@ -229,10 +229,14 @@ def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) 
     sep = tokenizer.sep_token_id
     first_sep = ids.index(sep) if sep in ids else len(ids) - 1
     segments = [0 if i <= first_sep else 1 for i in range(len(ids))]
+    if not ids:
+        raise InputError(f"--text {text!r} has no tokens")
+    if seq_len is not None and len(ids) > seq_len:
+        raise InputError(f"--text has {len(ids)} tokens and --seq-len is {seq_len}: give a --seq-len of at least {len(ids)}, "
+                         "or a shorter text")
     length = seq_len or len(ids)
     check_seq_len(source, length)
     pad = tokenizer.pad_token_id or 0
-    ids, segments = ids[:length], segments[:length]
     mask = [1] * len(ids) + [0] * (length - len(ids))
     ids = ids + [pad] * (length - len(ids))
     segments = segments + [0] * (length - len(segments))
