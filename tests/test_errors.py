@@ -145,3 +145,79 @@ def test_inputs_of_another_shape_or_dtype_are_refused(built_tiny):
     with pytest.raises(InputError, match="attention_mask must hold integers, got float32"):
         compiled([ids, mask.astype("float32"), segments])
     assert compiled([ids.astype("int32"), mask, segments])[0].shape == (1, 14, 128)
+
+
+@pytest.fixture(scope="module")
+def small_bert(tmp_path_factory):
+    """A saved BertModel (safetensors) to break in different ways."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("small-bert")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=32)).save_pretrained(folder)
+    return folder
+
+
+def _broken(small_bert, tmp_path, how):
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(small_bert, folder)
+    weights = folder / "model.safetensors"
+    config = json.loads((folder / "config.json").read_text())
+    if how == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "garbage safetensors":
+        weights.write_bytes(bytes(range(256)) * 20)
+    elif how in ("truncated bin", "garbage bin"):
+        state = load_file(weights)
+        weights.unlink()
+        torch.save(state, folder / "pytorch_model.bin")
+        data = (folder / "pytorch_model.bin").read_bytes()
+        (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2] if how == "truncated bin" else bytes(range(256)) * 20)
+    elif how == "shapes":
+        config.update(hidden_size=64, intermediate_size=128)
+    elif how == "max_position_embeddings":
+        config["max_position_embeddings"] = "abc"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("how, fragment", [
+    ("truncated safetensors", "cannot load the model"),
+    ("garbage safetensors", "cannot load the model"),
+    ("truncated bin", "cannot load the model"),
+    ("garbage bin", "cannot load the model"),
+    ("shapes", "do not match its config.json: embeddings.LayerNorm.bias is [32] in the weight file and [64] by config.json"),
+    ("max_position_embeddings", "'max_position_embeddings' must be a number >= 1, got 'abc'"),
+])
+def test_a_broken_model_directory_is_bad_input(tvmbert, small_bert, tmp_path, how, fragment):
+    """These were exit 1, "internal failure" (and a table of mismatched weights)."""
+    assert_one_line_error(tvmbert("trace", str(_broken(small_bert, tmp_path, how))), fragment)
+
+
+def test_config_json_that_is_not_an_object(tvmbert, tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert_one_line_error(tvmbert("trace", str(tmp_path)), "not a JSON object", "holds a list")
+
+
+def test_a_file_given_as_the_model_directory(tvmbert, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert_one_line_error(tvmbert("trace", str(tmp_path / "config.json")), "is a file, not a model directory")
+
+
+def test_binary_config_file(tvmbert, tmp_path):
+    config = tmp_path / "binary.yaml"
+    config.write_bytes(bytes(range(256)))
+    assert_one_line_error(tvmbert("trace", "--config", str(config)), str(config), "cannot be read as a YAML text file")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**70)])
+def test_seed_out_of_range(tvmbert, seed):
+    assert_one_line_error(tvmbert("trace", "bert-tiny", "--seed", seed), "'seed' must be a number in [0, 2**32)")

@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,8 +86,10 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
         raise InputError(
             f"unknown model '{name}': not a preset ({', '.join(PRESETS)}) nor an existing directory{hint}"
         )
-    if not path.is_dir():
+    if not path.exists():
         raise InputError(f"model directory '{name}' does not exist")
+    if not path.is_dir():
+        raise InputError(f"'{name}' is a file, not a model directory (one with config.json and weights)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise InputError(f"'{name}' is not a HuggingFace model directory: config.json is missing")
@@ -94,7 +97,9 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
         config_json = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{config_file}: not valid JSON ({exc})") from None
-    model_type = config_json.get("model_type") if isinstance(config_json, dict) else None
+    if not isinstance(config_json, dict):
+        raise InputError(f"{config_file}: not a JSON object of settings (it holds a {type(config_json).__name__})")
+    model_type = config_json.get("model_type")
     if model_type not in BERT_LIKE_TYPES:
         raise InputError(
             f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(BERT_LIKE_TYPES)}"
@@ -154,15 +159,39 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
         torch.manual_seed(seed)
         model = BertModel(config)
     else:
-        from transformers import AutoModel
-
-        try:
-            model = AutoModel.from_pretrained(
-                source.path, local_files_only=True, attn_implementation=attn_implementation
-            )
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot load the model in '{source.name}': {str(exc).splitlines()[0]}") from None
+        model = _from_directory(source, attn_implementation)
     return EncoderOutputs(model).to(getattr(torch, dtype)).eval()
+
+
+def _from_directory(source: ModelSource, attn_implementation: str):
+    """The model in a HuggingFace directory, or an InputError: everything read here is the user's
+    files (truncated or garbage weights, weights of other shapes than config.json says)."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report is a table; what matters in it is said below
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModel.from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
+                                                output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as exc:  # noqa: BLE001 - safetensors, pickle, torch and transformers each raise their own
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        raise InputError(f"cannot load the model in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    mismatched = sorted(info["mismatched_keys"])
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        raise InputError(f"the weights in '{source.name}' do not match its config.json: {key} is {list(stored)} in the "
+                         f"weight file and {list(expected)} by config.json ({len(mismatched)} weights differ)")
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        print(f"warning: '{source.name}' has no weights for {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: "
+              "transformers initialized them at random", file=sys.stderr)
+    return model
 
 
 @dataclass(frozen=True)
