@@ -141,15 +141,31 @@ def write_json(path: Path, data) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: Path, data: bytes) -> None:
     """Atomic: a reader sees the old file or the new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """An output file that can be written, checked before the work whose results it keeps (click
+    itself refuses a folder)."""
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise InputError(f"{option} {path} cannot be written: {folder} is a file, not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise InputError(f"{option} {path} cannot be written: {folder} is not writable")
+            return

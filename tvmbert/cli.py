@@ -219,10 +219,13 @@ def verify(as_json, samples, tolerance, train, **params):
 @_quiet_warnings
 def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, **params):
     """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
-    from .artifacts import write_text
+    from .artifacts import check_output_file, write_bytes, write_text
     from .bench import bench as run
     from .bench import bench_training, plot, to_csv, to_markdown
 
+    for path, option in ((csv_path, "--csv"), (plot_path, "--plot"), (markdown_path, "--markdown")):
+        if path:
+            check_output_file(Path(path), option)
     if train:
         overrides = {"bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
         _emit(as_json, bench_training(_job(params, overrides)), _print_bench_training)
@@ -236,7 +239,7 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
     if csv_path:
         write_text(Path(csv_path), to_csv(report))
     if plot_path:
-        plot(report, plot_path)
+        write_bytes(Path(plot_path), plot(report))
     if markdown_path:
         write_text(Path(markdown_path), to_markdown(report, "tvmbert " + " ".join(_invocation)))
     _emit(as_json, report, _print_bench)
