@@ -382,6 +382,11 @@ def _print_run(results):
 _invocation: list[str] = []  # the command line, as the user typed it, for reports
 
 
+def _one_line(message: str) -> str:
+    """Control characters (a user's text or path may hold any) escaped: the error stays one line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in message)
+
+
 def main(argv=None) -> int:
     _invocation[:] = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -389,13 +394,13 @@ def main(argv=None) -> int:
     except click.exceptions.Exit as stop:
         return stop.exit_code
     except click.ClickException as exc:
-        err.print(f"error: {exc.format_message()}", markup=False)
+        err.print(f"error: {_one_line(exc.format_message())}", markup=False)
         return 2
     except click.Abort:
         err.print("interrupted")
         return 130
     except TvmbertError as exc:
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {_one_line(str(exc))}", markup=False)
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -404,7 +409,8 @@ def main(argv=None) -> int:
         if os.environ.get("TVMBERT_TRACEBACK"):
             raise
         first = (str(exc).strip().splitlines() or [""])[-1]
-        err.print(f"error: internal failure ({type(exc).__name__}: {first}); set TVMBERT_TRACEBACK=1 for the traceback", markup=False)
+        err.print(f"error: internal failure ({type(exc).__name__}: {_one_line(first)}); set TVMBERT_TRACEBACK=1 for the traceback",
+                  markup=False)
         return 1
     return 0
 
