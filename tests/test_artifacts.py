@@ -54,10 +54,12 @@ def test_a_writer_killed_mid_stage_leaves_a_folder_the_next_write_removes(tmp_pa
         "    os.kill(os.getpid(), signal.SIGKILL)\n"), str(stage)], env={**os.environ, "PYTHONPATH": str(REPO)})
     assert killed.returncode == -9
     (orphan,) = tmp_path.glob(".build.*")
-    # A live writer's folder (this process's) is never touched.
+    killed_pid = int(orphan.name.split("-", 1)[1].split("@")[0])
+    # A live writer's folder (this process's) is never touched, nor another machine's.
     live = tmp_path / f".build.tmp-{os.getpid()}@{os.uname().nodename}@busy"
-    live.mkdir()
+    elsewhere = tmp_path / f".build.tmp-{killed_pid}@another-machine@busy"
+    live.mkdir(), elsewhere.mkdir()
     with artifacts.writing("build", stage, "fp", {}) as tmp:
         (tmp / "model.so").write_bytes(b"whole")
-    assert not orphan.exists() and live.exists()
+    assert not orphan.exists() and live.exists() and elsewhere.exists()
     assert (stage / "model.so").read_bytes() == b"whole" and artifacts.read("build", stage).fingerprint == "fp"
