@@ -22,7 +22,7 @@ from tvmbert.targets import cpu_count
 
 def engine(name: str, job: Job) -> tuple[Engine, dict]:
     built = build(job)
-    compiled = CompiledModel(built, job.target.device())
+    compiled = CompiledModel(built, job)
     inputs = compiled.to_device([t.numpy() for t in job.inputs.as_tuple()])
     def run():
         compiled.run_on_device(inputs)

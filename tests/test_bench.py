@@ -62,3 +62,14 @@ def test_bad_bench_options(tvmbert):
     assert tvmbert("bench", "bert-tiny", "--padding", "1.5").code == 2
     assert tvmbert("bench", "bert-tiny", "--seq-len", "8,x").code == 2
     assert tvmbert("trace", "bert-tiny", "--seq-len", "8,16").code == 2
+
+
+@pytest.mark.parametrize("option", ["--csv", "--plot", "--markdown"])
+def test_an_output_path_that_cannot_be_written_fails_before_the_benchmark(tvmbert, tmp_path, option):
+    """It used to fail after the whole benchmark had run, losing its results."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for path, fragment in ((blocker / "out", "a-file is a file, not a folder"), (tmp_path, "is a directory")):
+        outcome = tvmbert("bench", "bert-tiny", option, str(path), "--workdir", str(tmp_path / "work"))
+        assert outcome.code == 2 and option in outcome.stderr and fragment in outcome.stderr, outcome.stderr
+    assert not (tmp_path / "work").exists()  # nothing was built or timed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 
@@ -50,6 +52,19 @@ def test_unknown_target(tvmbert):
     assert_one_line_error(tvmbert("build", "bert-tiny", "--target", "vulkan"), "unknown target")
 
 
+@pytest.mark.parametrize("target, fragment", [("llvm -mcpu=notacpu", "LLVM knows no CPU"), ("llvm -mcpu='x", "No closing quotation")])
+def test_bad_target_details(tvmbert, target, fragment):
+    assert_one_line_error(tvmbert("build", "bert-tiny", "--target", target), fragment)
+
+
+@pytest.mark.parametrize("option", ["--log-dir", "--workdir"])
+def test_a_folder_option_that_is_a_file(tvmbert, tmp_path, option):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_one_line_error(tvmbert("build", "bert-tiny", option, str(blocker)), option, "is a file, not a folder")
+    assert_one_line_error(tvmbert("build", "bert-tiny", option, str(blocker / "below")), "is a file, not a folder")
+
+
 def test_malformed_yaml(tvmbert, tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("model: bert-tiny\nbatch: [1\n")
@@ -87,3 +102,122 @@ def test_missing_config_file(tvmbert, tmp_path):
 
 def test_unknown_option_is_a_usage_error(tvmbert):
     assert_one_line_error(tvmbert("trace", "bert-tiny", "--frobnicate"), "--frobnicate")
+
+
+@pytest.fixture(scope="module")
+def built_tiny(workdir):
+    from tvmbert import Job, JobConfig, build
+    from tvmbert.runtime import CompiledModel
+
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir)))
+    return CompiledModel(build(job), job), [t.numpy() for t in job.inputs.as_tuple()]
+
+
+@pytest.mark.parametrize("name, value, fragment", [
+    ("input_ids", 10**6, "input_ids holds 1000000 at [0, 3]: it must be in [0, 30522)"),
+    ("input_ids", 30522, "in [0, 30522)"),
+    ("input_ids", -1, "input_ids holds -1"),
+    ("input_ids", 10**12, "in [0, 30522)"),
+    ("token_type_ids", 5, "token_type_ids holds 5 at [0, 3]: it must be in [0, 2)"),
+    ("attention_mask", 2, "attention_mask holds 2 at [0, 3]: it must be 0 or 1"),
+])
+def test_out_of_range_inputs_never_reach_the_library(built_tiny, name, value, fragment):
+    """TVM's take does no bounds check: NaN, plausible garbage or a segfault otherwise."""
+    import numpy as np
+
+    from tvmbert.errors import InputError
+    from tvmbert.models import INPUT_NAMES
+
+    compiled, good = built_tiny
+    arrays = [a.copy() for a in good]
+    arrays[INPUT_NAMES.index(name)][0, 3] = value
+    with pytest.raises(InputError, match=re.escape(fragment)):
+        compiled(arrays)
+    assert all(np.isfinite(out).all() for out in compiled(good))
+
+
+def test_inputs_of_another_shape_or_dtype_are_refused(built_tiny):
+    from tvmbert.errors import InputError
+
+    compiled, (ids, mask, segments) = built_tiny
+    with pytest.raises(InputError, match=r"input_ids has shape \[1, 13\]; this build takes \[1, 14\]"):
+        compiled([ids[:, :13], mask[:, :13], segments[:, :13]])
+    with pytest.raises(InputError, match="attention_mask must hold integers, got float32"):
+        compiled([ids, mask.astype("float32"), segments])
+    assert compiled([ids.astype("int32"), mask, segments])[0].shape == (1, 14, 128)
+
+
+@pytest.fixture(scope="module")
+def small_bert(tmp_path_factory):
+    """A saved BertModel (safetensors) to break in different ways."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("small-bert")
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=32)).save_pretrained(folder)
+    return folder
+
+
+def _broken(small_bert, tmp_path, how):
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(small_bert, folder)
+    weights = folder / "model.safetensors"
+    config = json.loads((folder / "config.json").read_text())
+    if how == "truncated safetensors":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "garbage safetensors":
+        weights.write_bytes(bytes(range(256)) * 20)
+    elif how in ("truncated bin", "garbage bin"):
+        state = load_file(weights)
+        weights.unlink()
+        torch.save(state, folder / "pytorch_model.bin")
+        data = (folder / "pytorch_model.bin").read_bytes()
+        (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2] if how == "truncated bin" else bytes(range(256)) * 20)
+    elif how == "shapes":
+        config.update(hidden_size=64, intermediate_size=128)
+    elif how == "max_position_embeddings":
+        config["max_position_embeddings"] = "abc"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("how, fragment", [
+    ("truncated safetensors", "cannot load the model"),
+    ("garbage safetensors", "cannot load the model"),
+    ("truncated bin", "cannot load the model"),
+    ("garbage bin", "cannot load the model"),
+    ("shapes", "do not match its config.json: embeddings.LayerNorm.bias is [32] in the weight file and [64] by config.json"),
+    ("max_position_embeddings", "'max_position_embeddings' must be a number >= 1, got 'abc'"),
+])
+def test_a_broken_model_directory_is_bad_input(tvmbert, small_bert, tmp_path, how, fragment):
+    """These were exit 1, "internal failure" (and a table of mismatched weights)."""
+    assert_one_line_error(tvmbert("trace", str(_broken(small_bert, tmp_path, how))), fragment)
+
+
+def test_config_json_that_is_not_an_object(tvmbert, tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert_one_line_error(tvmbert("trace", str(tmp_path)), "not a JSON object", "holds a list")
+
+
+def test_a_file_given_as_the_model_directory(tvmbert, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert_one_line_error(tvmbert("trace", str(tmp_path / "config.json")), "is a file, not a model directory")
+
+
+def test_binary_config_file(tvmbert, tmp_path):
+    config = tmp_path / "binary.yaml"
+    config.write_bytes(bytes(range(256)))
+    assert_one_line_error(tvmbert("trace", "--config", str(config)), str(config), "cannot be read as a YAML text file")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**70)])
+def test_seed_out_of_range(tvmbert, seed):
+    assert_one_line_error(tvmbert("trace", "bert-tiny", "--seed", seed), "'seed' must be a number in [0, 2**32)")

@@ -74,6 +74,15 @@ def test_text_is_padded_to_seq_len(bert_dir):
     assert inputs.attention_mask.sum(dim=1).tolist() == [14, 14]
 
 
+def test_text_longer_than_seq_len_or_empty_is_an_input_error(tvmbert, bert_dir):
+    """The text used to be cut, or replaced by the default sentence, without a word."""
+    longer = tvmbert("trace", str(bert_dir), "--text", "who was jim henson ? a puppeteer", "--seq-len", "3")
+    assert longer.code == 2 and "--text has 8 tokens and --seq-len is 3" in longer.stderr
+    for text in ("", "  "):
+        empty = tvmbert("trace", str(bert_dir), "--text", text)
+        assert empty.code == 2 and "'text' must be a text that is not empty" in empty.stderr
+
+
 def test_local_bert_directory_end_to_end(tvmbert, bert_dir):
     for dtype, limit in (("float32", 1e-5), ("float64", 1e-10)):
         outcome = tvmbert("verify", str(bert_dir), "--dtype", dtype, "--json")

@@ -29,10 +29,27 @@ def test_target_keys(text, key):
     assert targets.resolve(text).key == key
 
 
-@pytest.mark.parametrize("text", ["vulkan", "cuda arch", '{"kind": "tpu"}', "{not json"])
+@pytest.mark.parametrize("text", ["vulkan", "cuda arch", '{"kind": "tpu"}', "{not json", "llvm -mcpu='x"])
 def test_bad_targets(text):
     with pytest.raises(InputError):
         targets.resolve(text)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("llvm -mcpu=notacpu", "LLVM knows no CPU 'notacpu'"),
+    ("llvm -mcpu=skylake-avx51", "did you mean skylake-avx512"),
+    ("llvm -mcpu=../../../x", "LLVM knows no CPU '../../../x'"),
+    ("rocm -mcpu=gfx9999", "LLVM knows no CPU 'gfx9999' for amdgcn"),
+])
+def test_a_cpu_llvm_does_not_know_is_refused(text, fragment):
+    """LLVM itself only warns, and builds generic code."""
+    with pytest.raises(InputError, match=fragment):
+        targets.resolve(text)
+
+
+def test_a_target_key_never_leaves_its_folder():
+    key = targets.resolve("cuda -arch=sm_../../x").key
+    assert "/" not in key and ".." not in key
 
 
 @pytest.mark.parametrize("target, kind", [("cuda", "cuda"), ("rocm", "hip")])

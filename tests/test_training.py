@@ -11,14 +11,14 @@ import torch
 from tvmbert import autodiff, training
 
 
-def _bert_layer(dtype=torch.float32):
+def _bert_layer(dtype=torch.float32, attention="eager"):
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
     from tvmbert.models import PRESETS
 
     torch.manual_seed(0)
-    layer = BertLayer(BertConfig(**PRESETS["bert-tiny"], attn_implementation="eager")).to(dtype).train()
+    layer = BertLayer(BertConfig(**PRESETS["bert-tiny"], attn_implementation=attention)).to(dtype).train()
     hidden = torch.randn(1, 14, layer.attention.self.all_head_size, dtype=dtype)
     mask = torch.zeros(1, 1, 1, 14, dtype=dtype)
     mask[..., -4:] = torch.finfo(dtype).min  # four padding tokens
@@ -35,9 +35,11 @@ def _train_step(module, hidden, mask, grad_output, seed=7):
     return output, grads
 
 
-@pytest.fixture(scope="module", params=[torch.float32, torch.float64], ids=["float32", "float64"])
+# SDPA attention (transformers' default) draws its dropout mask inside the kernel: it must match too.
+@pytest.fixture(scope="module", params=[(torch.float32, "eager"), (torch.float64, "eager"), (torch.float32, "sdpa"),
+                                        (torch.float64, "sdpa")], ids=["float32", "float64", "float32-sdpa", "float64-sdpa"])
 def layers(request, tmp_path_factory):
-    layer, inputs = _bert_layer(request.param)
+    layer, inputs = _bert_layer(*request.param)
     compiled = training.add_tvm_dispatch(copy.deepcopy(layer), inputs, log_dir=tmp_path_factory.mktemp("logs"))
     return layer, compiled, inputs
 
@@ -167,3 +169,25 @@ def test_tune_train_tunes_the_layer_kernels_that_dispatch_then_applies(tvmbert, 
     verified = tvmbert("verify", "bert-tiny", "--train", "--log-dir", str(tmp_path), "--json")
     assert verified.code == 0, verified.stderr
     assert verified.json["tasks_tuned"] == len(tuned) < verified.json["tasks_total"]
+
+
+def test_sdpa_dropout_that_cannot_be_replayed_runs_in_pytorch_and_says_so(monkeypatch, tmp_path):
+    """A kernel that draws its dropout mask its own way (fused GPU SDPA): train mode runs PyTorch's
+    forward, with one warning naming the layer; eval mode, without dropout, still runs in TVM."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def own_random_stream(*args, **kwargs):
+        torch.rand(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", own_random_stream)
+    layer, (hidden, mask) = _bert_layer(attention="sdpa")
+    with pytest.warns(UserWarning, match="BertLayer runs in PyTorch.*dropout mask inside its kernel"):
+        compiled = training.add_tvm_dispatch(copy.deepcopy(layer), (hidden, mask), log_dir=tmp_path)
+    torch.manual_seed(5)
+    got = compiled(hidden, mask)
+    torch.manual_seed(5)
+    assert torch.equal(got, layer(hidden, mask)) and "TVM" not in type(got.grad_fn).__name__
+    layer.eval(), compiled.eval()
+    got = compiled(hidden, mask)
+    assert type(got.grad_fn).__name__ == "TVMBertLayerBackward" and (got - layer(hidden, mask)).abs().max() <= 1e-5

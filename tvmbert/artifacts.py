@@ -3,21 +3,27 @@
 Layout: ``<workdir>/<model-key>/b<batch>-s<seq>-<dtype>/<stage>/`` for the target-independent
 stages (trace, convert, optimize) and ``.../<target-key>/<stage>/`` for the rest. Each folder ends
 with ``stage.json``, written last: a folder without it (a crash mid-write) is never trusted.
+A stage is written into a hidden sibling named after this machine and process; one left behind
+by a process that died (kill -9) is removed by the next write of that stage.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import MissingArtifactError
+from .errors import InputError, MissingArtifactError
 
 STAGE_FILE = "stage.json"
 FORMAT_VERSION = 1  # bump when an artifact's files change meaning
@@ -70,24 +76,64 @@ def require(stage: str, path: Path, hint: str) -> Artifact:
     return artifact
 
 
+DISK_FULL_BYTES = 1 << 20  # less than this free after a failed write: the disk is why it failed
+
+
 @contextmanager
 def writing(stage: str, path: Path, fp: str, meta: dict):
-    """Yields a fresh temporary folder; on success it replaces ``path`` whole, never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    """Yields a fresh temporary folder; on success it replaces ``path`` whole, never half-written.
+    A write that fails for want of disk space (or permission) is one InputError naming the folder."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+    _remove_orphans(path)
+    owner = f"{os.getpid()}@{socket.gethostname()}@"  # '@' is in no host name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{owner}", dir=path.parent))
     try:
         yield tmp
         write_json(tmp / STAGE_FILE, {"stage": stage, "fingerprint": fp, **meta})
         if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            old = path.with_name(f".{path.name}.old-{owner}")
             path.rename(old)
             tmp.rename(path)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(path)
+    except Exception as exc:
+        # Checked before the partial folder is removed: a writer that ran out of space may fail
+        # with anything (torch's zip writer, a compiler), not only OSError(ENOSPC).
+        free = shutil.disk_usage(path.parent).free
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < DISK_FULL_BYTES:
+            raise InputError(f"no space left on the disk that holds {path.parent} ({free // 1024} KiB free): "
+                             f"the {stage} artifact was not written") from None
+        if isinstance(exc, OSError):
+            raise InputError(f"cannot write the {stage} artifact into {path.parent}: {exc.strerror or exc}") from None
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_orphans(path: Path) -> None:
+    """Removes the hidden folders of writes of ``path`` whose process, on this machine, is gone;
+    another machine's (a shared work directory) are left to it."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:tmp|old)-(?P<pid>\d+)@(?P<host>[^@]*)@")
+    host = socket.gethostname()
+    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        match = pattern.match(sibling.name)
+        if match and match["host"] == host and not _alive(int(match["pid"])):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def write_json(path: Path, data) -> None:
@@ -95,15 +141,31 @@ def write_json(path: Path, data) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: Path, data: bytes) -> None:
     """Atomic: a reader sees the old file or the new one, never a part."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """An output file that can be written, checked before the work whose results it keeps (click
+    itself refuses a folder)."""
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise InputError(f"{option} {path} cannot be written: {folder} is a file, not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise InputError(f"{option} {path} cannot be written: {folder} is not writable")
+            return

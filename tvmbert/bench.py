@@ -79,7 +79,7 @@ def _rss_mb() -> float:
 
 def _tvm(job: Job, inputs) -> Engine:
     built = job.upstream("build", build)
-    compiled = CompiledModel(built, job.target.device())
+    compiled = CompiledModel(built, job)
     device_inputs = compiled.to_device([t.numpy() for t in inputs])
 
     def run():
@@ -319,8 +319,8 @@ def to_csv(report: dict) -> str:
     return buffer.getvalue()
 
 
-def plot(report: dict, path: str) -> None:
-    """Latency against sequence length per engine, one panel per (batch, padding)."""
+def plot(report: dict) -> bytes:
+    """Latency against sequence length per engine, one panel per (batch, padding), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -343,8 +343,10 @@ def plot(report: dict, path: str) -> None:
     environment_line = report["environment"]
     figure.suptitle(f"{environment_line['cpu']}, {environment_line['threads']} threads, {report['dtype']}", fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120)
     plt.close(figure)
+    return png.getvalue()
 
 
 def to_markdown(report: dict, command: str) -> str:

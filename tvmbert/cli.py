@@ -244,10 +244,13 @@ def verify(as_json, samples, tolerance, train, **params):
 @_quiet_warnings
 def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, **params):
     """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
-    from .artifacts import write_text
+    from .artifacts import check_output_file, write_bytes, write_text
     from .bench import bench as run
     from .bench import bench_training, plot, to_csv, to_markdown
 
+    for path, option in ((csv_path, "--csv"), (plot_path, "--plot"), (markdown_path, "--markdown")):
+        if path:
+            check_output_file(Path(path), option)
     if train:
         overrides = {"bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
         _emit(as_json, bench_training(_job(params, overrides)), _print_bench_training)
@@ -261,7 +264,7 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
     if csv_path:
         write_text(Path(csv_path), to_csv(report))
     if plot_path:
-        plot(report, plot_path)
+        write_bytes(Path(plot_path), plot(report))
     if markdown_path:
         write_text(Path(markdown_path), to_markdown(report, "tvmbert " + " ".join(_invocation)))
     _emit(as_json, report, _print_bench)
@@ -412,6 +415,11 @@ def _print_run(results):
 _invocation: list[str] = []  # the command line, as the user typed it, for reports
 
 
+def _one_line(message: str) -> str:
+    """Control characters (a user's text or path may hold any) escaped: the error stays one line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in message)
+
+
 def main(argv=None) -> int:
     _invocation[:] = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -419,13 +427,13 @@ def main(argv=None) -> int:
     except click.exceptions.Exit as stop:
         return stop.exit_code
     except click.ClickException as exc:
-        err.print(f"error: {exc.format_message()}", markup=False)
+        err.print(f"error: {_one_line(exc.format_message())}", markup=False)
         return 2
     except click.Abort:
         err.print("interrupted")
         return 130
     except TvmbertError as exc:
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {_one_line(str(exc))}", markup=False)
         return exc.exit_code
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -434,7 +442,8 @@ def main(argv=None) -> int:
         if os.environ.get("TVMBERT_TRACEBACK"):
             raise
         first = (str(exc).strip().splitlines() or [""])[-1]
-        err.print(f"error: internal failure ({type(exc).__name__}: {first}); set TVMBERT_TRACEBACK=1 for the traceback", markup=False)
+        err.print(f"error: internal failure ({type(exc).__name__}: {_one_line(first)}); set TVMBERT_TRACEBACK=1 for the traceback",
+                  markup=False)
         return 1
     return 0
 

@@ -88,7 +88,9 @@ class JobConfig:
     def validate(self, where: str = "options") -> JobConfig:
         _require(self.batch >= 1, where, "batch", "a number >= 1")
         _require(self.seq_len is None or self.seq_len >= 1, where, "seq_len", "a number >= 1")
+        _require(self.text is None or bool(self.text.strip()), where, "text", "a text that is not empty")
         _require(self.dtype in DTYPE_NAMES, where, "dtype", f"one of {', '.join(DTYPE_NAMES)}")
+        _require(0 <= self.seed < 2**32, where, "seed", "a number in [0, 2**32)")
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")
         if self.passes is not None:
@@ -122,6 +124,8 @@ def load(path: str | Path) -> JobConfig:
         raise InputError(f"config file '{path}' does not exist")
     try:
         data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot be read as a YAML text file ({exc})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""

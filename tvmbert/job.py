@@ -11,6 +11,16 @@ from pathlib import Path
 from . import artifacts, models, targets
 from .artifacts import Artifact
 from .config import JobConfig
+from .errors import InputError
+
+
+def _check_folder(path: Path, option: str) -> None:
+    """A folder that exists or can be made: not a file, nor below one."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise InputError(f"{option} {path} is not writable: {folder} is a file, not a folder")
+            return
 
 
 def _to_stderr(message: str) -> None:
@@ -29,6 +39,10 @@ class Job:
         self.target = targets.resolve(self.config.target)
         if self.config.seq_len is not None:
             models.check_seq_len(self.source, self.config.seq_len)
+        _check_folder(Path(self.config.workdir), "--workdir")
+        _check_folder(Path(self.config.log_dir), "--log-dir")
+        if self.config.text is not None:
+            _ = self.inputs  # tokenized now: a text that does not fit fails before any work
 
     @cached_property
     def inputs(self) -> models.ExampleInputs:

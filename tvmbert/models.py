@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,6 +57,8 @@ class ModelSource:
     path: Path | None
     fingerprint: str  # changes when the config or the weights change
     max_positions: int
+    vocab_size: int  # input_ids are in [0, vocab_size)
+    type_vocab_size: int  # token_type_ids are in [0, type_vocab_size); RoBERTa-style models have 1
 
 
 def _hash(*parts: str) -> str:
@@ -72,6 +75,8 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
             path=None,
             fingerprint=_hash(json.dumps(PRESETS[name], sort_keys=True), f"seed={seed}"),
             max_positions=PRESET_MAX_POSITIONS,
+            vocab_size=PRESET_VOCAB_SIZE,
+            type_vocab_size=PRESET_SEGMENTS,
         )
     path = Path(name).expanduser()
     looks_like_path = os.sep in name or name.startswith(".") or path.exists()
@@ -81,8 +86,10 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
         raise InputError(
             f"unknown model '{name}': not a preset ({', '.join(PRESETS)}) nor an existing directory{hint}"
         )
-    if not path.is_dir():
+    if not path.exists():
         raise InputError(f"model directory '{name}' does not exist")
+    if not path.is_dir():
+        raise InputError(f"'{name}' is a file, not a model directory (one with config.json and weights)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise InputError(f"'{name}' is not a HuggingFace model directory: config.json is missing")
@@ -90,7 +97,9 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
         config_json = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{config_file}: not valid JSON ({exc})") from None
-    model_type = config_json.get("model_type") if isinstance(config_json, dict) else None
+    if not isinstance(config_json, dict):
+        raise InputError(f"{config_file}: not a JSON object of settings (it holds a {type(config_json).__name__})")
+    model_type = config_json.get("model_type")
     if model_type not in BERT_LIKE_TYPES:
         raise InputError(
             f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(BERT_LIKE_TYPES)}"
@@ -106,8 +115,18 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
         preset=None,
         path=resolved,
         fingerprint=_hash(config_file.read_text(), *stats),
-        max_positions=int(config_json.get("max_position_embeddings", 512)),
+        max_positions=_positive(config_json, "max_position_embeddings", 512, config_file),
+        vocab_size=_positive(config_json, "vocab_size", 30522, config_file),
+        type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file),
     )
+
+
+def _positive(config_json: dict, key: str, default: int, config_file: Path) -> int:
+    """A size from config.json, checked here: a bad one would otherwise fail deep in transformers."""
+    value = config_json.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{config_file}: '{key}' must be a number >= 1, got {value!r}")
+    return value
 
 
 def _preset_config(name: str):
@@ -140,15 +159,39 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
         torch.manual_seed(seed)
         model = BertModel(config)
     else:
-        from transformers import AutoModel
-
-        try:
-            model = AutoModel.from_pretrained(
-                source.path, local_files_only=True, attn_implementation=attn_implementation
-            )
-        except (OSError, ValueError) as exc:
-            raise InputError(f"cannot load the model in '{source.name}': {str(exc).splitlines()[0]}") from None
+        model = _from_directory(source, attn_implementation)
     return EncoderOutputs(model).to(getattr(torch, dtype)).eval()
+
+
+def _from_directory(source: ModelSource, attn_implementation: str):
+    """The model in a HuggingFace directory, or an InputError: everything read here is the user's
+    files (truncated or garbage weights, weights of other shapes than config.json says)."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report is a table; what matters in it is said below
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModel.from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
+                                                output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as exc:  # noqa: BLE001 - safetensors, pickle, torch and transformers each raise their own
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        raise InputError(f"cannot load the model in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    mismatched = sorted(info["mismatched_keys"])
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        raise InputError(f"the weights in '{source.name}' do not match its config.json: {key} is {list(stored)} in the "
+                         f"weight file and {list(expected)} by config.json ({len(mismatched)} weights differ)")
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        print(f"warning: '{source.name}' has no weights for {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: "
+              "transformers initialized them at random", file=sys.stderr)
+    return model
 
 
 @dataclass(frozen=True)
@@ -181,7 +224,7 @@ def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: s
         return _tokenized(source, batch, seq_len, text or DEFAULT_TEXT)
     seq_len = seq_len or DEFAULT_SEQ_LEN
     check_seq_len(source, seq_len)
-    vocab, segment_kinds = _vocab_sizes(source)
+    vocab, segment_kinds = source.vocab_size, source.type_vocab_size
     generator = torch.Generator().manual_seed(1234)
     # Ids start above the special tokens so every row looks like ordinary text.
     ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, seq_len), generator=generator)
@@ -205,14 +248,6 @@ def check_seq_len(source: ModelSource, seq_len: int) -> None:
         raise InputError(f"--seq-len {seq_len} is above the model's max_position_embeddings ({source.max_positions})")
 
 
-def _vocab_sizes(source: ModelSource) -> tuple[int, int]:
-    """(vocab_size, type_vocab_size): RoBERTa-style models have a single segment id."""
-    if source.preset is not None:
-        return PRESET_VOCAB_SIZE, PRESET_SEGMENTS
-    config = json.loads((source.path / "config.json").read_text())
-    return int(config.get("vocab_size", 30522)), int(config.get("type_vocab_size", 2))
-
-
 def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) -> ExampleInputs:
     import torch
     from transformers import AutoTokenizer
@@ -223,10 +258,14 @@ def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) 
     sep = tokenizer.sep_token_id
     first_sep = ids.index(sep) if sep in ids else len(ids) - 1
     segments = [0 if i <= first_sep else 1 for i in range(len(ids))]
+    if not ids:
+        raise InputError(f"--text {text!r} has no tokens")
+    if seq_len is not None and len(ids) > seq_len:
+        raise InputError(f"--text has {len(ids)} tokens and --seq-len is {seq_len}: give a --seq-len of at least {len(ids)}, "
+                         "or a shorter text")
     length = seq_len or len(ids)
     check_seq_len(source, length)
     pad = tokenizer.pad_token_id or 0
-    ids, segments = ids[:length], segments[:length]
     mask = [1] * len(ids) + [0] * (length - len(ids))
     ids = ids + [pad] * (length - len(ids))
     segments = segments + [0] * (length - len(segments))

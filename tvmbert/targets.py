@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from functools import lru_cache
@@ -109,7 +111,10 @@ def resolve(text: str) -> TargetSpec:
             raise InputError(f"target JSON needs \"kind\" one of {', '.join(KINDS)}")
         kind, options = config.pop("kind"), config
     else:
-        kind, options = _legacy_options(text) if text else ("", {})
+        try:
+            kind, options = _legacy_options(text) if text else ("", {})
+        except ValueError as exc:  # shlex: an unclosed quote
+            raise InputError(f"target '{text}' cannot be read: {exc}") from None
     if kind not in KINDS:
         raise InputError(f"unknown target '{text}': use one of {', '.join(KINDS)}, e.g. 'cuda -arch=sm_90', or a JSON dict")
     if kind == "llvm":
@@ -129,7 +134,29 @@ def resolve(text: str) -> TargetSpec:
         tvm.target.Target(config)
     except Exception as exc:  # TVM raises several types for a bad attribute
         raise InputError(f"target '{text}' is not valid for TVM: {str(exc).splitlines()[-1]}") from None
-    return TargetSpec(text=text, config=config, key=f"{kind}-{detail}")
+    if kind != "cuda":
+        _check_llvm_cpu(text, config)
+    return TargetSpec(text=text, config=config, key=_key(kind, detail))
+
+
+def _check_llvm_cpu(text: str, config: dict) -> None:
+    """LLVM takes a CPU name it does not know with a warning, and builds generic code: exit 0 and
+    slow kernels, tuned into a database named after a CPU that does not exist."""
+    import tvm
+    from tvm.target import codegen
+
+    triple = str(config.get("mtriple") or (codegen.llvm_get_system_triple() if config["kind"] == "llvm" else "amdgcn-amd-amdhsa"))
+    cpu = str(config["mcpu"])
+    if not codegen.llvm_is_valid_cpu(cpu, triple):
+        known = [str(name) for name in codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm", "mtriple": triple}))]
+        close = difflib.get_close_matches(cpu, known, n=3)
+        raise InputError(f"target '{text}': LLVM knows no CPU '{cpu}' for {triple}"
+                         + (f"; did you mean {', '.join(close)}?" if close else f" (known: {', '.join(known[:12])}, ...)"))
+
+
+def _key(kind: str, detail) -> str:
+    """Names the target's folders under tuning_logs/ and build/: whatever the detail, no '/' or '..'."""
+    return f"{kind}-{re.sub(r'[^A-Za-z0-9_+-]', '_', str(detail))}"
 
 
 def _local_cuda_arch() -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import platform
 
 from . import artifacts, models
@@ -51,8 +52,11 @@ def trace(job: Job, force: bool = False) -> Artifact:
         {"name": name, "shape": list(spec.shape), "dtype": str(spec.dtype).replace("torch.", "")}
         for name, spec in zip(("last_hidden_state", "pooler_output"), _output_specs(program))
     ]
+    # Serialized in memory first: torch's zip writer aborts the process when the disk fills up.
+    program_bytes = io.BytesIO()
+    torch.export.save(program, program_bytes)
     with artifacts.writing("trace", path, fp, meta) as tmp:
-        torch.export.save(program, tmp / PROGRAM_FILE)
+        (tmp / PROGRAM_FILE).write_bytes(program_bytes.getbuffer())
         artifacts.write_json(tmp / "inputs.json", {n: t.tolist() for n, t in zip(models.INPUT_NAMES, job.inputs.as_tuple())})
     return artifacts.Artifact("trace", path, fp, {"fingerprint": fp, **meta}, cached=False)
 

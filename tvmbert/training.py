@@ -15,7 +15,9 @@ the same seed, TVM and PyTorch compute the same function.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +118,7 @@ class _Dispatch:
         self.log_dir = log_dir / target.key
         self.verbose = verbose
         self.compiled: dict[tuple, Compiled] = {}
+        self.in_pytorch: dict[tuple, str] = {}  # modes TVM cannot compute as PyTorch does, and why
         self.reported: set = set()
         self.function = _autograd_function(type(module).__name__)
         self.calls = {"tvm": 0, "fallback": 0}
@@ -141,7 +144,10 @@ class _Dispatch:
         if kwargs or len(args) != len(self.signature.shapes) or not all(isinstance(a, torch.Tensor) for a in args) \
                 or Signature.of(args) != self.signature:
             return self._fallback(args, kwargs, self._mismatch(args, kwargs))
-        compiled = self.compiled_for(self.mode())
+        mode = self.mode()
+        compiled = self.compiled_for(mode)
+        if compiled is None:
+            return self._fallback(args, kwargs, self.in_pytorch[mode])
         params = [_lookup(self.module, name) for name in compiled.params]
         if Signature.of(params) != compiled.param_signature:
             return self._fallback(args, kwargs, "its parameters were moved or cast since add_tvm_dispatch compiled it")
@@ -165,11 +171,19 @@ class _Dispatch:
             print(f"tvmbert: {type(self.module).__name__} runs in PyTorch: {why}", file=sys.stderr)
         return self.original_forward(*args, **kwargs)
 
-    def compiled_for(self, mode: tuple[bool, ...]) -> Compiled:
-        if mode not in self.compiled:
-            self.compiled[mode] = compile_module(self.original_forward, self.module, self.sample_inputs,
-                                                 self.target, self.log_dir)
-        return self.compiled[mode]
+    def compiled_for(self, mode: tuple[bool, ...]) -> Compiled | None:
+        """The mode's forward and backward; None when TVM cannot compute what PyTorch computes
+        in it (said once, as a warning: a silent fallback would hide a slower layer)."""
+        if mode not in self.compiled and mode not in self.in_pytorch:
+            why = unreplayable_attention_dropout(self.original_forward, self.sample_inputs)
+            if why:
+                self.in_pytorch[mode] = why
+                self.reported.add(why)
+                warnings.warn(f"tvmbert: {type(self.module).__name__} runs in PyTorch in this mode: {why}", stacklevel=3)
+            else:
+                self.compiled[mode] = compile_module(self.original_forward, self.module, self.sample_inputs,
+                                                     self.target, self.log_dir)
+        return self.compiled.get(mode)
 
 
 def _autograd_function(name: str):
@@ -222,16 +236,87 @@ def _lookup(module, name: str):
         return module.get_buffer(name)
 
 
-@contextlib.contextmanager
-def _dropout_replaced(replacement):
+def attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout):
+    """``scaled_dot_product_attention`` as PyTorch's math path computes it, with its dropout a call
+    to ``dropout``."""
     import torch
 
-    original = torch.nn.functional.dropout
-    torch.nn.functional.dropout = replacement
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    scores = query @ key.transpose(-2, -1) * (scale if scale is not None else 1 / math.sqrt(query.size(-1)))
+    if is_causal:
+        attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return dropout(scores.softmax(-1), dropout_p, True) @ value
+
+
+@contextlib.contextmanager
+def _dropout_replaced(replacement):
+    """``F.dropout`` becomes ``replacement``, and so does the dropout inside
+    ``F.scaled_dot_product_attention``: with dropout on, SDPA runs as the math path."""
+    import torch
+
+    functional = torch.nn.functional
+    original_dropout, original_attention = functional.dropout, functional.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p == 0:
+            return original_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                      enable_gqa=enable_gqa)
+        return attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, replacement)
+
+    functional.dropout, functional.scaled_dot_product_attention = replacement, attention
     try:
         yield
     finally:
-        torch.nn.functional.dropout = original
+        functional.dropout, functional.scaled_dot_product_attention = original_dropout, original_attention
+
+
+def _forked_rng(inputs):
+    """PyTorch's random state (and the inputs' GPU's) as it was, after the block."""
+    import torch
+
+    return torch.random.fork_rng(devices=[inputs[0].device] if inputs[0].device.type == "cuda" else [])
+
+
+def unreplayable_attention_dropout(forward, inputs) -> str | None:
+    """Why TVM cannot draw the dropout masks of the module's SDPA calls as PyTorch's SDPA draws
+    them, or None. Tried on each call's own inputs: the same seed through PyTorch's SDPA and
+    through the math path the export uses; a kernel that draws its own mask gives other outputs."""
+    import torch
+
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+    worst = []
+
+    def trying(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p > 0:
+            with torch.enable_grad():  # as in training: the kernel PyTorch picks may depend on it
+                q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
+                options = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+                torch.manual_seed(0)
+                want = original(q, k, v, **options)
+                torch.manual_seed(0)
+                got = attention_math(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, functional.dropout)
+            diff = float((got - want).abs().max())
+            if not diff <= 100 * torch.finfo(want.dtype).eps * max(1.0, float(want.abs().max())):
+                worst.append(diff)
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+
+    functional.scaled_dot_product_attention = trying
+    try:
+        with _forked_rng(inputs), torch.no_grad():
+            forward(*inputs)
+    finally:
+        functional.scaled_dot_product_attention = original
+    if not worst:
+        return None
+    return (f"scaled_dot_product_attention on {inputs[0].device.type} draws its dropout mask inside its kernel, where "
+            f"TVM cannot draw the same one (off by {max(worst):.2g} with the same seed); attn_implementation='eager' "
+            "trains it in TVM")
 
 
 def dropout_sites(forward, inputs) -> list[DropoutSite]:
@@ -245,8 +330,7 @@ def dropout_sites(forward, inputs) -> list[DropoutSite]:
             sites.append(DropoutSite(tuple(input.shape), input.dtype, float(p)))
         return input
 
-    devices = [inputs[0].device] if inputs[0].device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), _dropout_replaced(recording):
+    with _forked_rng(inputs), torch.no_grad(), _dropout_replaced(recording):
         forward(*inputs)
     return sites
 

@@ -74,7 +74,7 @@ def verify(job: Job) -> VerifyResult:
     options = job.config.verify
     tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
     reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
-    compiled = CompiledModel(built, job.target.device())
+    compiled = CompiledModel(built, job)
     names = [o["name"] for o in built.meta.get("outputs", [])] or ["last_hidden_state", "pooler_output"]
     worst: dict[int, OutputDiff] = {}
     for sample in sample_inputs(job, options.samples):
