@@ -311,7 +311,7 @@ class _Session:
                  else f"this machine ({cpu_count()} cores)")
         self.job.say(f"tune: {self.view.planned} trials, measured on {where}, into {self.log_dir}")
         self.scratch = Path(tempfile.mkdtemp(prefix="tvmbert-tune-"))
-        self.interrupted = signal_flag(self.job.say)
+        self.interrupted = _StopRequest(self.job.say)
         self.console = Console(stderr=True)
         self.live = Live(self.view.table(), console=self.console, refresh_per_second=2, transient=False)
         self.live.__enter__()
@@ -398,7 +398,7 @@ class _Session:
         self.refresh()
 
 
-class signal_flag:
+class _StopRequest:
     """Ctrl-C while tuning: raising in the middle of MetaSchedule's C++ can abort the process,
     so the first Ctrl-C only asks the run to stop after the batch in flight (the next progress
     callback raises); a second one stops at once."""

@@ -245,13 +245,16 @@ def _database_class():
             self.problems: list[str] = []
             self.seen: set = set()  # (workload hash, trace): a record the compact file and the history both hold
             self.trials: dict[int, int] = {}  # workload hash -> trials the compact file says were spent on it
-            self._load_compact(warn)
-            self._load_history(warn)
+            superseded = _superseded(log_dir)
+            self._load_compact(warn, superseded)
+            self._load_history(warn, superseded)
 
-        def _load_compact(self, warn):
+        def _load_compact(self, warn, superseded: dict[str, int]):
             for number, line in _lines(self.log_dir / COMPACT_FILE):
                 try:
                     entry = json.loads(line)
+                    if entry["workload"] in superseded:
+                        continue  # its search was started over here: only the history after that counts
                     workload = ms.database.Workload.from_json(entry["mod"])
                     digest = _checked_hash(workload.mod, entry["workload"])
                     workload = self.memory.commit_workload(workload.mod)
@@ -261,9 +264,8 @@ def _database_class():
                 except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
                     self._problem(warn, COMPACT_FILE, number, exc)
 
-        def _load_history(self, warn):
+        def _load_history(self, warn, superseded: dict[str, int]):
             workloads, digests, superseded_before = [], [], []
-            superseded = _superseded(self.log_dir)
             for number, line in _lines(self.log_dir / WORKLOADS_FILE):
                 try:
                     workload = ms.database.Workload.from_json(json.loads(line))
