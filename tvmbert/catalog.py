@@ -110,8 +110,9 @@ class Catalog:
         self.others: list[Source] = []
         if self.cpu is None:
             return
+        root = log_dir.parent
         ranked = []
-        for folder in sorted(p for p in log_dir.parent.iterdir() if p.is_dir() and p != log_dir) if log_dir.parent.is_dir() else []:
+        for folder in sorted(p for p in root.iterdir() if p.is_dir() and p != log_dir) if root.is_dir() else []:
             other = describe(folder.name)
             distance = self.cpu.distance(other) if other is not None else None
             if distance is not None and _holds_records(folder):
