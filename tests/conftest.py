@@ -43,3 +43,16 @@ def tvmbert(capsys, workdir):
         return Outcome(code, captured.out, captured.err)
 
     return run
+
+
+# 13 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
+SMALL_TUNE = ("--trials", "52", "--trials-per-task", "4")
+
+
+@pytest.fixture(scope="session")
+def tuned(tmp_path_factory, workdir):
+    """bert-tiny tuned once into a fresh log dir, under this CPU's key; tests that change the
+    logs work on a copy."""
+    log_dir = tmp_path_factory.mktemp("logs")
+    assert main(["tune", "bert-tiny", *SMALL_TUNE, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
+    return log_dir

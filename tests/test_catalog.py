@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import SMALL_TUNE
 
 from tvmbert import catalog, tuning_db
 from tvmbert.catalog import Catalog
@@ -22,17 +23,7 @@ from tvmbert.targets import resolve
 HOST = resolve("llvm").key
 # A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
 OTHER_TARGET = "llvm -mcpu=skylake-avx512"
-SMALL = ("--trials", "52", "--trials-per-task", "4")
-
-
-@pytest.fixture(scope="module")
-def tuned(tmp_path_factory, workdir):
-    """bert-tiny tuned once, under this CPU's key."""
-    from tvmbert.cli import main
-
-    log_dir = tmp_path_factory.mktemp("logs")
-    assert main(["tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
-    return log_dir
+SMALL = SMALL_TUNE  # 13 non-trivial tasks in bert-tiny, 4 trials each
 
 
 def fake_record(*insts):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_TUNE
 
 from tvmbert import tuning_db
 from tvmbert.catalog import Catalog
@@ -22,23 +23,12 @@ from tvmbert.tuning_db import Task
 
 pytestmark = pytest.mark.slow
 
-# 13 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
-SMALL = ("--trials", "52", "--trials-per-task", "4")
+SMALL = SMALL_TUNE  # 13 non-trivial tasks in bert-tiny, 4 trials each
 
 
 def records_file(log_dir: Path) -> Path:
     (folder,) = [p for p in log_dir.iterdir() if p.is_dir()]
     return folder / tuning_db.RECORDS_FILE
-
-
-@pytest.fixture(scope="module")
-def tuned(tmp_path_factory, workdir):
-    """bert-tiny tuned once into a fresh log dir; the tests below reuse it."""
-    from tvmbert.cli import main
-
-    log_dir = tmp_path_factory.mktemp("logs")
-    assert main(["tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
-    return log_dir
 
 
 def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):

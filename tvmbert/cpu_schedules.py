@@ -4,7 +4,8 @@ TVM's CPU pipeline only legalizes: a kernel without a record runs as a naive ser
 (bert-base 1x14: 2.9 s). dlight has CPU rules for GEMV and reductions only. These rules fill the
 gap the way TVM's old ``topi/x86/dense.py`` fallback did: matmuls get a register-blocked
 outer-product micro-kernel (rows x vectors of accumulators kept in registers over the whole
-reduction, weights read as contiguous vectors, epilogue fused per tile, tiles in parallel), other
+reduction, weights prepacked into the panels the tiles read, epilogue fused per tile, tiles in
+parallel), other
 kernels get their outer spatial loops fused and parallel and their inner loop vectorized.
 
 Every rule works on a copy and gives up (returns None) on anything it does not recognise or
@@ -12,6 +13,8 @@ cannot schedule; the next rule then tries, and a kernel no rule takes keeps TVM'
 """
 
 from __future__ import annotations
+
+from .tuning_db import LAYOUT_FREE
 
 MAX_ACCUMULATORS = 28  # vector registers a micro-kernel's accumulator tile may hold (AVX-512 has 32)
 MAX_TILE_ROWS = 14
@@ -151,6 +154,12 @@ def _matmul(func, target):
     if (_extent(sch, outer) or 1) > 1:
         sch.parallel(outer)
     sch.decompose_reduction(matmul, reduce)
+    if func.attrs and LAYOUT_FREE in func.attrs:
+        # Weights stored tile by tile, in the order the micro-kernel reads them (build repacks
+        # them once): each tile then streams one contiguous panel instead of a strided column.
+        from tvm.s_tir import meta_schedule as ms
+
+        ms.postproc.RewriteLayout().apply(sch)
     return sch
 
 
