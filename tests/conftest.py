@@ -56,3 +56,25 @@ def tuned(tmp_path_factory, workdir):
     log_dir = tmp_path_factory.mktemp("logs")
     assert main(["tune", "bert-tiny", *SMALL_TUNE, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
     return log_dir
+
+
+def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, **popen):
+    """`tvmbert tune bert-tiny` in a process of its own (16 trials per task), returned once it has
+    appended ``records`` record lines, with the path of its records file."""
+    import subprocess
+    import sys
+    import time
+
+    from tvmbert import tuning_db
+
+    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", str(trials), "--trials-per-task", "16",
+               "--log-dir", str(log_dir), "--workdir", str(workdir)]
+    process = subprocess.Popen(command, **popen)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        files = list(log_dir.glob("*/" + tuning_db.RECORDS_FILE))
+        if files and files[0].read_text().count("\n") >= records:
+            return process, command, files[0]
+        time.sleep(0.5)
+    process.kill()
+    raise AssertionError(f"tune measured fewer than {records} records in 300 s")

@@ -8,13 +8,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import SMALL_TUNE
+from conftest import SMALL_TUNE, tune_in_background
 
 from tvmbert import catalog, tuning_db
 from tvmbert.catalog import Catalog
@@ -187,23 +184,15 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
 
 
 def test_interrupted_tune_says_how_to_resume(tmp_path, workdir):
-    log_dir = tmp_path / "logs"
-    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", "64", "--trials-per-task", "16",
-               "--log-dir", str(log_dir), "--workdir", str(workdir)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        files = list(log_dir.glob("*/" + tuning_db.RECORDS_FILE))
-        if files and files[0].read_text().count("\n") >= 16:
-            break
-        time.sleep(0.5)
+    process, _, records = tune_in_background(tmp_path / "logs", workdir, trials=64, records=16,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-2000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: tuning interrupted") and "run the same command again to resume" in last
     assert "internal failure" not in stderr and "Traceback" not in stderr
-    assert Path(files[0]).read_text().count("\n") >= 16  # what was measured is kept
+    assert records.read_text().count("\n") >= 16  # what was measured is kept
 
 
 pytestmark = pytest.mark.slow

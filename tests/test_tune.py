@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_TUNE
+from conftest import SMALL_TUNE, tune_in_background
 
 from tvmbert import tuning_db
 from tvmbert.catalog import Catalog
@@ -165,15 +165,8 @@ def test_garbage_line_is_skipped_with_a_warning_and_kept(tvmbert, tuned, tmp_pat
 
 def test_kill_9_loses_at_most_the_batch_in_flight(tmp_path, workdir):
     log_dir = tmp_path / "logs"
-    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", "48", "--trials-per-task", "16",
-               "--log-dir", str(log_dir), "--workdir", str(workdir)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        files = list(log_dir.glob("*/" + tuning_db.RECORDS_FILE))
-        if files and len(files[0].read_text().splitlines()) >= 16:
-            break
-        time.sleep(0.5)
+    process, command, _ = tune_in_background(log_dir, workdir, trials=48, records=16, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL, start_new_session=True)
     import psutil
 
     workers = psutil.Process(process.pid).children(recursive=True)  # TVM's pool workers start sessions of their own
