@@ -5,8 +5,8 @@ TVM's CPU pipeline only legalizes: a kernel without a record runs as a naive ser
 gap the way TVM's old ``topi/x86/dense.py`` fallback did: matmuls get a register-blocked
 outer-product micro-kernel (rows x vectors of accumulators kept in registers over the whole
 reduction, weights prepacked into the panels the tiles read, epilogue fused per tile, tiles in
-parallel), other
-kernels get their outer spatial loops fused and parallel and their inner loop vectorized.
+parallel); other kernels get their outer spatial loops fused and parallel and their inner loop
+vectorized.
 
 Every rule works on a copy and gives up (returns None) on anything it does not recognise or
 cannot schedule; the next rule then tries, and a kernel no rule takes keeps TVM's loop nest.
@@ -74,14 +74,12 @@ def _divisor_at_most(n: int, limit: int) -> int:
     return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
 
 
-def _inline_all(sch, keep) -> None:
-    """Inlines every spatial block except ``keep`` into its consumers, or into its producer."""
+def _inline_all(sch) -> None:
+    """Inlines every spatial block into its consumers where it can, else into its producer."""
     changed = True
     while changed:
         changed = False
         for block in sch.get_child_blocks(sch.get_sblock("root")):
-            if sch.get(block).same_as(sch.get(keep)) if keep is not None else False:
-                continue
             if "R" in _iter_kinds(sch, block):
                 continue
             for inline in (sch.compute_inline, sch.reverse_compute_inline):
@@ -111,7 +109,7 @@ def _matmul(func, target):
     if not (isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add)
             and isinstance(body.value.b, tirx.Mul)):
         return None
-    _inline_all(sch, keep=None)
+    _inline_all(sch)
     blocks = sch.get_child_blocks(sch.get_sblock("root"))
     position = [sch.get(b).same_as(sch.get(matmul)) for b in blocks].index(True)
     if position != 0 or len(blocks) > 2:
@@ -169,7 +167,7 @@ def _loops(func, target):
     from tvm import s_tir
 
     sch = s_tir.Schedule(func)
-    _inline_all(sch, keep=None)
+    _inline_all(sch)
     changed = False
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         kinds = _iter_kinds(sch, block)
