@@ -172,7 +172,7 @@ class Catalog:
         for name, mod in packed.items():
             source = self.nearest([mod, plain[name]]) if name in plain else None
             if source is not None:
-                packed_s, plain_s = (_mean_seconds(self.records(source, m)[:1]) for m in (mod, plain[name]))
+                packed_s, plain_s = (tuning_db.mean_seconds(self.records(source, m)) for m in (mod, plain[name]))
                 if plain_s is not None and (packed_s is None or plain_s < packed_s):
                     slower.add(name)
         return tuning_db.without_marks(module, slower) if slower else module
@@ -188,10 +188,6 @@ class Catalog:
 def measured_cores(record) -> int | None:
     cores = record.target.attrs.get("num-cores")
     return int(cores) if cores is not None else None
-
-
-def _mean_seconds(records) -> float | None:
-    return sum(float(s) for s in records[0].run_secs) / len(records[0].run_secs) if records else None
 
 
 def _holds_records(folder: Path) -> bool:

@@ -367,11 +367,10 @@ def _database_class():
         def commit_tuning_record(self, record) -> None:
             workload = self.commit_workload(record.workload.mod)
             record_json = _record_json(record)
-            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record_json, workload_key(workload.mod)]))
+            digest = workload_key(workload.mod)
+            self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record_json, digest]))
             self.record_lines += 1
-            import tvm_ffi
-
-            self._commit_once(int(tvm_ffi.structural_hash(workload.mod)), record, record_json)
+            self._commit_once(int(digest, 16), record, record_json)
 
         def get_top_k(self, workload, top_k: int):
             return self.memory.get_top_k(self.memory.commit_workload(workload.mod), top_k)
@@ -425,9 +424,12 @@ def open_database(log_dir: Path, warn=None, live: bool = False):
 
 def best_seconds(database, task: Task) -> float | None:
     """The mean time of the record a build applies (MetaSchedule's best by mean)."""
-    best = valid_records(database, task.module)[:1]
-    return sum(float(s) for s in best[0].run_secs) / len(best[0].run_secs) if best else None
+    return mean_seconds(valid_records(database, task.module))
 
+
+def mean_seconds(records) -> float | None:
+    """The mean time of the first of ``records`` (best first); None when there is none."""
+    return sum(float(s) for s in records[0].run_secs) / len(records[0].run_secs) if records else None
 
 
 def valid_records(database, mod) -> list:
@@ -444,13 +446,11 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
     import tvm_ffi
 
     database = open_database(log_dir, warn)
-    groups: dict[int, tuple] = {}
-    for record in database.get_all_tuning_records():
-        digest = int(tvm_ffi.structural_hash(record.workload.mod))
-        groups.setdefault(digest, (record.workload, []))[1].append(record)
+    workloads = {int(tvm_ffi.structural_hash(record.workload.mod)): record.workload
+                 for record in database.get_all_tuning_records()}
     lines, kept = [], 0
-    for digest in sorted(groups):
-        workload, records = groups[digest]
+    for digest in sorted(workloads):
+        workload = workloads[digest]
         best = valid_records(database, workload.mod)[:top_k]
         if not best:
             continue
