@@ -161,7 +161,7 @@ def test_bench_train_cli(tvmbert, tmp_path):
 
 @pytest.mark.slow
 def test_tune_train_tunes_the_layer_kernels_that_dispatch_then_applies(tvmbert, tmp_path):
-    outcome = tvmbert("tune", "bert-tiny", "--train", "--task", "^NT_matmul", "--trials", "8", "--trials-per-task", "4",
+    outcome = tvmbert("tune", "bert-tiny", "--train", "--kernel", "^NT_matmul", "--trials", "8", "--trials-per-task", "4",
                       "--log-dir", str(tmp_path), "--json")
     assert outcome.code == 0, outcome.stderr
     tuned = {t["name"] for t in outcome.json["tasks"] if t["best_us"] is not None}

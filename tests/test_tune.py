@@ -108,7 +108,7 @@ def test_fresh_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tu
     log_dir = tmp_path / "logs"
     shutil.copytree(tuned, log_dir)
     before = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(log_dir), "--json").json
-    outcome = tvmbert("tune", "bert-tiny", "--retune", "--fresh", "--task", "^fused_matmul", "--trials", "8", "--trials-per-task", "4",
+    outcome = tvmbert("tune", "bert-tiny", "--retune", "--fresh", "--kernel", "^fused_matmul", "--trials", "8", "--trials-per-task", "4",
                       "--log-dir", str(log_dir), "--json")
     assert outcome.code == 0, outcome.stderr
     tasks = outcome.json["tasks"]
@@ -128,12 +128,12 @@ def test_fresh_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tu
 
 
 def test_task_pattern_matching_nothing_is_an_input_error(tvmbert, tmp_path):
-    outcome = tvmbert("tune", "bert-tiny", "--task", "no-such-kernel", "--log-dir", str(tmp_path))
-    assert outcome.code == 2 and "matches none of the tasks" in outcome.stderr
+    outcome = tvmbert("tune", "bert-tiny", "--kernel", "no-such-kernel", "--log-dir", str(tmp_path))
+    assert outcome.code == 2 and "matches none of the kernels" in outcome.stderr
 
 
 def test_task_pattern_that_is_not_a_regex_is_an_input_error(tvmbert, tmp_path):
-    outcome = tvmbert("tune", "bert-tiny", "--task", "fused_(matmul", "--log-dir", str(tmp_path))
+    outcome = tvmbert("tune", "bert-tiny", "--kernel", "fused_(matmul", "--log-dir", str(tmp_path))
     assert outcome.code == 2 and "is not a regular expression" in outcome.stderr
     assert len(outcome.stderr.strip().splitlines()) == 1
 

@@ -25,6 +25,8 @@ def _common(func):
     """Options every stage shares: what model, which shape and dtype, for which target, where."""
     options = [
         click.argument("model", required=False),
+        click.option("--task", help="The head to compile: feature-extraction, text-classification, token-classification, "
+                     "question-answering, fill-mask (default: the one config.json's architectures names)."),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
         click.option("--batch", help="Batch size of the example inputs (bench: a list, e.g. 1,8)."),
         click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench: a list)."),
@@ -70,7 +72,7 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
     model = params.pop("model")
     flags = {
         "model": model,
-        **{k: params.pop(k) for k in ("batch", "seq_len", "text", "dtype", "fast_math", "seed", "target", "workdir", "log_dir")},
+        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "text", "dtype", "fast_math", "seed", "target", "workdir", "log_dir")},
         **(overrides or {}),
     }
     job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))
@@ -159,7 +161,7 @@ def optimize(as_json, force, passes, disable, viz, **params):
 @click.option("--retune", is_flag=True, help="Spend trials on tasks that are already tuned too, searching on from their records.")
 @click.option("--fresh", is_flag=True, help="With --retune: start those tasks' search over; their old records stop counting.")
 @click.option("--train", is_flag=True, help="Tune the forward and backward kernels of encoder layer 0 (add_tvm_dispatch).")
-@click.option("--task", "only", multiple=True, help="Only the tasks whose names match this regular expression (repeatable).")
+@click.option("--kernel", "only", multiple=True, help="Only the kernels (tuning tasks) whose names match this regular expression (repeatable).")
 @click.option("--adapt", is_flag=True, help="Measure other CPUs' records on this CPU and keep them as its own, then search "
               "where the time is (--trials, default 320): minutes, on a CPU without logs of its own.")
 @_quiet_warnings
@@ -169,7 +171,7 @@ def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, fresh, 
     from .tune import tune as run
 
     if adapt and (retune or fresh or train or only or trials_per_task):
-        raise InputError("--adapt takes none of --retune, --fresh, --train, --task, --trials-per-task")
+        raise InputError("--adapt takes none of --retune, --fresh, --train, --kernel, --trials-per-task")
     overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
     job = _job(params, overrides)
     result = (run_adapt(job) if adapt else run(job, retune=retune, train=train, only=only, fresh=fresh)).to_json()

@@ -70,6 +70,7 @@ class JobConfig:
     """Everything a stage needs to know; artifacts are keyed by the parts that change them."""
 
     model: str = "bert-tiny"
+    task: str | None = None  # the head to compile; default: the one config.json's architectures names
     batch: int = 1
     seq_len: int | None = None  # default: the tokenized text's length, or 14
     text: str | None = None

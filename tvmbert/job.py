@@ -35,7 +35,7 @@ class Job:
 
     def __post_init__(self):
         self.config.validate()
-        self.source = models.resolve(self.config.model, self.config.seed)
+        self.source = models.resolve(self.config.model, self.config.seed, self.config.task)
         self.target = targets.resolve(self.config.target)
         if self.config.seq_len is not None:
             models.check_seq_len(self.source, self.config.seq_len)

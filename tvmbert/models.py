@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import InputError
+from .families import DEFAULT_TASK, FAMILIES, PRESETS, TASKS, Family, Task, preset_config_kwargs, task_of_architecture
 
 if TYPE_CHECKING:
     import torch
@@ -26,25 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The HuggingFace TorchScript tutorial's example, the seed post's input (1 x 14 tokens).
 DEFAULT_TEXT = "[CLS] Who was Jim Henson ? [SEP] Jim Henson was a puppeteer [SEP]"
 DEFAULT_SEQ_LEN = 14
-INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
-
-PRESETS: dict[str, dict] = {
-    "bert-tiny": dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512),
-    "bert-mini": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024),
-    "bert-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
-    "bert-large": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096),
-}
-
-# What BertConfig's defaults (bert-base-uncased) give every preset; read without importing
-# transformers, which imports torch.
-PRESET_MAX_POSITIONS, PRESET_VOCAB_SIZE, PRESET_SEGMENTS = 512, 30522, 2
-
-# model_type values whose HF model takes (input_ids, attention_mask, token_type_ids) and returns
-# last_hidden_state (and pooler_output where the architecture has a pooler).
-BERT_LIKE_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra")
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-
 
 
 @dataclass(frozen=True)
@@ -59,24 +43,46 @@ class ModelSource:
     max_positions: int
     vocab_size: int  # input_ids are in [0, vocab_size)
     type_vocab_size: int  # token_type_ids are in [0, type_vocab_size); RoBERTa-style models have 1
+    family: str  # a FAMILIES key (config.json's model_type)
+    task: str  # a TASKS key
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """What the compiled model takes, in order."""
+        return FAMILIES[self.family].inputs
+
+    @property
+    def input_limits(self) -> dict[str, int]:
+        """Each input's values lie in [0, limit)."""
+        limits = {"input_ids": self.vocab_size, "attention_mask": 2, "token_type_ids": self.type_vocab_size}
+        return {name: limits[name] for name in self.inputs}
 
 
 def _hash(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def resolve(name: str, seed: int = 0) -> ModelSource:
-    """Turns a preset name or a directory path into a ModelSource, or says clearly why not."""
+def resolve(name: str, seed: int = 0, task: str | None = None) -> ModelSource:
+    """Turns a preset name or a directory path into a ModelSource, or says clearly why not.
+    ``task``: the head to compile; None takes the one config.json's ``architectures`` names."""
+    if task is not None and task not in TASKS:
+        close = difflib.get_close_matches(task, TASKS, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise InputError(f"unknown task '{task}': tvmbert compiles {', '.join(TASKS)}{hint}")
     if name in PRESETS:
+        preset = PRESETS[name]
+        task = task or DEFAULT_TASK
         return ModelSource(
             name=name,
-            key=name if seed == 0 else f"{name}-seed{seed}",
+            key=(name if seed == 0 else f"{name}-seed{seed}") + _task_suffix(task),
             preset=name,
             path=None,
-            fingerprint=_hash(json.dumps(PRESETS[name], sort_keys=True), f"seed={seed}"),
-            max_positions=PRESET_MAX_POSITIONS,
-            vocab_size=PRESET_VOCAB_SIZE,
-            type_vocab_size=PRESET_SEGMENTS,
+            fingerprint=_hash(json.dumps(preset_config_kwargs(preset), sort_keys=True), f"seed={seed}", f"task={task}"),
+            max_positions=preset.max_positions,
+            vocab_size=preset.vocab_size,
+            type_vocab_size=preset.type_vocab_size,
+            family=preset.family,
+            task=task,
         )
     path = Path(name).expanduser()
     looks_like_path = os.sep in name or name.startswith(".") or path.exists()
@@ -100,10 +106,11 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
     if not isinstance(config_json, dict):
         raise InputError(f"{config_file}: not a JSON object of settings (it holds a {type(config_json).__name__})")
     model_type = config_json.get("model_type")
-    if model_type not in BERT_LIKE_TYPES:
+    if model_type not in FAMILIES:
         raise InputError(
-            f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(BERT_LIKE_TYPES)}"
+            f"'{name}' holds a '{model_type}' model; tvmbert handles these BERT-family model types: {', '.join(FAMILIES)}"
         )
+    task = task or _task_from_architectures(name, config_json, FAMILIES[model_type])
     weights = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
     if not weights:
         raise InputError(f"'{name}' has no weights: expected one of {', '.join(WEIGHT_FILES)}")
@@ -111,14 +118,36 @@ def resolve(name: str, seed: int = 0) -> ModelSource:
     resolved = path.resolve()
     return ModelSource(
         name=name,
-        key=f"{resolved.name}-{_hash(str(resolved))[:8]}",
+        key=f"{resolved.name}-{_hash(str(resolved))[:8]}{_task_suffix(task)}",
         preset=None,
         path=resolved,
-        fingerprint=_hash(config_file.read_text(), *stats),
+        fingerprint=_hash(config_file.read_text(), *stats, f"task={task}"),
         max_positions=_positive(config_json, "max_position_embeddings", 512, config_file),
         vocab_size=_positive(config_json, "vocab_size", 30522, config_file),
         type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file),
+        family=model_type,
+        task=task,
     )
+
+
+def _task_suffix(task: str) -> str:
+    """Artifacts of a head apart from the bare encoder's (their key names the task)."""
+    return "" if task == DEFAULT_TASK else f"-{task}"
+
+
+def _task_from_architectures(name: str, config_json: dict, family: Family) -> str:
+    """The head config.json's ``architectures`` names; a head tvmbert cannot compile is an error,
+    never dropped in silence (the user would get hidden states instead of their logits)."""
+    architectures = config_json.get("architectures") or []
+    if not isinstance(architectures, list) or not architectures:
+        return DEFAULT_TASK
+    architecture = str(architectures[0])
+    task = task_of_architecture(architecture, family)
+    if task is None:
+        supported = ", ".join(f"{family.model_prefix}{t.class_suffix} ({n})" for n, t in TASKS.items())
+        raise InputError(f"'{name}' is a {architecture}, a head tvmbert does not compile; it compiles {supported}. "
+                         f"--task feature-extraction compiles its encoder alone")
+    return task
 
 
 def _positive(config_json: dict, key: str, default: int, config_file: Path) -> int:
@@ -129,52 +158,64 @@ def _positive(config_json: dict, key: str, default: int, config_file: Path) -> i
     return value
 
 
-def _preset_config(name: str):
-    from transformers import BertConfig
+def preset_config(name: str, task: str = DEFAULT_TASK):
+    """The transformers config of a preset: its family's defaults, the preset's sizes, eager attention."""
+    import transformers
 
-    # BertConfig's defaults are the bert-base-uncased architecture; presets change the sizes only.
-    return BertConfig(**PRESETS[name], attn_implementation="eager")
+    preset = PRESETS[name]
+    sizes = {**preset_config_kwargs(preset), "vocab_size": preset.vocab_size, "max_position_embeddings": preset.max_positions}
+    if TASKS[task].fixed_labels:
+        sizes["num_labels"] = TASKS[task].fixed_labels
+    return getattr(transformers, FAMILIES[preset.family].config_class)(**sizes, attn_implementation="eager")
+
+
+def model_class(source: ModelSource):
+    """The transformers class of the source's family with its task's head."""
+    import transformers
+
+    return getattr(transformers, FAMILIES[source.family].model_prefix + TASKS[source.task].class_suffix)
 
 
 def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implementation: str = "eager"):
-    """The PyTorch module in eval mode, with the fixed (ids, mask, segments) -> tuple signature."""
+    """The PyTorch module in eval mode, with a positional signature (the family's inputs, in
+    order) returning a tuple: the task's outputs, in order (``.input_names``, ``.output_names``)."""
     import torch
 
-    class EncoderOutputs(torch.nn.Module):
-        """Fixes the signature to (input_ids, attention_mask, token_type_ids) -> tuple of tensors."""
+    class TaskOutputs(torch.nn.Module):
+        """Fixes the signature to the family's inputs -> the task's outputs, as a tuple."""
 
-        def __init__(self, model: torch.nn.Module):
+        def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], output_names: tuple[str, ...]):
             super().__init__()
-            self.model = model
+            self.model, self.input_names, self.output_names = model, input_names, output_names
 
-        def forward(self, input_ids, attention_mask, token_type_ids):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
-            return tuple(out[name] for name in ("last_hidden_state", "pooler_output") if out.get(name) is not None)
+        def forward(self, *inputs):
+            out = self.model(**dict(zip(self.input_names, inputs)))
+            return tuple(out[name] for name in self.output_names)
 
     if source.preset is not None:
-        from transformers import BertModel
-
-        config = _preset_config(source.preset)
+        config = preset_config(source.preset, source.task)
         config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
-        model = BertModel(config)
+        model = model_class(source)(config)
     else:
         model = _from_directory(source, attn_implementation)
-    return EncoderOutputs(model).to(getattr(torch, dtype)).eval()
+    outputs = TASKS[source.task].outputs
+    if getattr(model, "pooler", None) is None:  # DistilBERT, ELECTRA, and encoders saved without one
+        outputs = tuple(name for name in outputs if name != "pooler_output")
+    return TaskOutputs(model, source.inputs, outputs).to(getattr(torch, dtype)).eval()
 
 
 def _from_directory(source: ModelSource, attn_implementation: str):
     """The model in a HuggingFace directory, or an InputError: everything read here is the user's
     files (truncated or garbage weights, weights of other shapes than config.json says)."""
-    from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its load report is a table; what matters in it is said below
     hf_logging.disable_progress_bar()
     try:
-        model, info = AutoModel.from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
-                                                output_loading_info=True, ignore_mismatched_sizes=True)
+        model, info = model_class(source).from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
+                                                          output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as exc:  # noqa: BLE001 - safetensors, pickle, torch and transformers each raise their own
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
         raise InputError(f"cannot load the model in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
@@ -187,6 +228,9 @@ def _from_directory(source: ModelSource, attn_implementation: str):
         key, stored, expected = mismatched[0]
         raise InputError(f"the weights in '{source.name}' do not match its config.json: {key} is {list(stored)} in the "
                          f"weight file and {list(expected)} by config.json ({len(mismatched)} weights differ)")
+    fixed = TASKS[source.task].fixed_labels
+    if fixed and model.config.num_labels != fixed:
+        raise InputError(f"'{source.name}' has num_labels {model.config.num_labels}; a {source.task} head has {fixed}")
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         print(f"warning: '{source.name}' has no weights for {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: "
@@ -196,16 +240,34 @@ def _from_directory(source: ModelSource, attn_implementation: str):
 
 @dataclass(frozen=True)
 class ExampleInputs:
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    token_type_ids: torch.Tensor
+    """The model's inputs by name, in the order its compiled signature takes them."""
+
+    tensors: dict[str, torch.Tensor]
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return (self.input_ids, self.attention_mask, self.token_type_ids)
+        return tuple(self.tensors.values())
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.tensors)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tensors["input_ids"]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.tensors["attention_mask"]
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
+
+
+def make_inputs(source: ModelSource, ids, mask, segments) -> ExampleInputs:
+    """The source's inputs from full (ids, mask, segment ids) rows: a family without segment ids drops them."""
+    given = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
+    return ExampleInputs({name: given[name] for name in source.inputs})
 
 
 def has_tokenizer(source: ModelSource) -> bool:
@@ -231,7 +293,7 @@ def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: s
     segments = torch.zeros(batch, seq_len, dtype=torch.long)
     if segment_kinds > 1:
         segments[:, seq_len // 2 :] = 1
-    return ExampleInputs(ids, torch.ones(batch, seq_len, dtype=torch.long), segments)
+    return make_inputs(source, ids, torch.ones(batch, seq_len, dtype=torch.long), segments)
 
 
 def input_shape(source: ModelSource, batch: int, seq_len: int | None, text: str | None) -> tuple[int, int] | None:
@@ -270,4 +332,4 @@ def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) 
     ids = ids + [pad] * (length - len(ids))
     segments = segments + [0] * (length - len(segments))
     rows = lambda values: torch.tensor([values] * batch, dtype=torch.long)  # noqa: E731
-    return ExampleInputs(rows(ids), rows(mask), rows(segments))
+    return make_inputs(source, rows(ids), rows(mask), rows(segments))

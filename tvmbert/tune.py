@@ -142,7 +142,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
     try:
         patterns = [re.compile(pattern) for pattern in only]
     except re.error as exc:
-        raise InputError(f"--task {exc.pattern!r} is not a regular expression: {exc}") from None
+        raise InputError(f"--kernel {exc.pattern!r} is not a regular expression: {exc}") from None
     options = job.config.tune
     log_dir, servers = _prepare(job)
     if train:
@@ -155,7 +155,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
     if only:
         selected = [t for t in tasks if any(p.search(t.name) for p in patterns)]
         if not selected:
-            raise InputError(f"--task {' '.join(only)} matches none of the tasks: {', '.join(t.name for t in tasks)}")
+            raise InputError(f"--kernel {' '.join(only)} matches none of the kernels: {', '.join(t.name for t in tasks)}")
         tasks = selected
     started = time.perf_counter()
     with tuning_db.locked(log_dir, say=job.say):

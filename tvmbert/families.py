@@ -1,0 +1,110 @@
+"""The model families and tasks tvmbert compiles: one table each, so that adding one is one entry.
+
+A family is what ``config.json`` calls ``model_type``: the inputs its models take, where its
+encoder layers live, and how its sizes are spelled. A task is a head on top of the encoder,
+named as optimum and ONNX Runtime's exporters name it, with the outputs HF gives it. Nothing
+here imports transformers or torch: the classes are named, and looked up when a model is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+BERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _encoder_layers(base):
+    return base.encoder.layer
+
+
+@dataclass(frozen=True)
+class Family:
+    """What tvmbert needs to know of one ``model_type``."""
+
+    config_class: str  # transformers' config class, for presets
+    model_prefix: str  # transformers' model classes are this + "Model", + "ForSequenceClassification", ...
+    inputs: tuple[str, ...] = BERT_INPUTS
+    # The list of encoder layers in the base model (``model.base_model``); layer 0 is what
+    # ``add_tvm_dispatch``, ``verify --train`` and ``bench --train`` compile. ALBERT's one shared
+    # layer is called by every position in the stack.
+    layers: Callable = _encoder_layers
+    # Keyword names of the architecture sizes in this family's config class (presets).
+    size_names: dict[str, str] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {
+    "bert": Family("BertConfig", "Bert"),
+    "roberta": Family("RobertaConfig", "Roberta"),
+    "xlm-roberta": Family("XLMRobertaConfig", "XLMRoberta"),
+    "camembert": Family("CamembertConfig", "Camembert"),
+    "electra": Family("ElectraConfig", "Electra"),
+    # No segment ids; its sizes are spelled dim / n_layers / n_heads / hidden_dim.
+    "distilbert": Family("DistilBertConfig", "DistilBert", inputs=("input_ids", "attention_mask"),
+                         layers=lambda base: base.transformer.layer,
+                         size_names={"num_hidden_layers": "n_layers", "hidden_size": "dim",
+                                     "num_attention_heads": "n_heads", "intermediate_size": "hidden_dim"}),
+    # Factorized embeddings (embedding_size < hidden_size) and one layer's weights for all layers.
+    "albert": Family("AlbertConfig", "Albert", layers=lambda base: base.encoder.albert_layer_groups[0].albert_layers),
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    """A head: the transformers class suffix that builds it and the outputs it returns, in order."""
+
+    class_suffix: str
+    outputs: tuple[str, ...]
+    per_token: tuple[str, ...]  # outputs with one row per token: compared on real tokens only
+    fixed_labels: int | None = None  # QA heads have exactly two (start, end), whatever config says
+
+
+TASKS: dict[str, Task] = {
+    "feature-extraction": Task("Model", ("last_hidden_state", "pooler_output"), per_token=("last_hidden_state",)),
+    "text-classification": Task("ForSequenceClassification", ("logits",), per_token=()),
+    "token-classification": Task("ForTokenClassification", ("logits",), per_token=("logits",)),
+    "question-answering": Task("ForQuestionAnswering", ("start_logits", "end_logits"),
+                               per_token=("start_logits", "end_logits"), fixed_labels=2),
+    "fill-mask": Task("ForMaskedLM", ("logits",), per_token=("logits",)),
+}
+DEFAULT_TASK = "feature-extraction"
+
+
+def task_of_architecture(architecture: str, family: Family) -> str | None:
+    """The task a ``config.json`` architecture name stands for, or None when tvmbert has no such head."""
+    for name, task in TASKS.items():
+        if architecture == family.model_prefix + task.class_suffix:
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model built from a config and a seed: no files, no download."""
+
+    family: str
+    sizes: dict  # num_hidden_layers, hidden_size, num_attention_heads, intermediate_size (+ family extras)
+    vocab_size: int = 30522
+    max_positions: int = 512
+    type_vocab_size: int = 2
+
+
+PRESETS: dict[str, Preset] = {
+    "bert-tiny": Preset("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512)),
+    "bert-mini": Preset("bert", dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024)),
+    "bert-base": Preset("bert", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072)),
+    "bert-large": Preset("bert", dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16, intermediate_size=4096)),
+    # distilbert-base-uncased and albert-base-v2's architectures.
+    "distilbert-tiny": Preset("distilbert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512)),
+    "distilbert-base": Preset("distilbert", dict(num_hidden_layers=6, hidden_size=768, num_attention_heads=12, intermediate_size=3072)),
+    "albert-tiny": Preset("albert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512,
+                                         embedding_size=64), vocab_size=30000),
+    "albert-base": Preset("albert", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                                         embedding_size=128), vocab_size=30000),
+}
+
+
+def preset_config_kwargs(preset: Preset) -> dict:
+    """The preset's sizes under the names its family's config class uses."""
+    names = FAMILIES[preset.family].size_names
+    return {names.get(key, key): value for key, value in preset.sizes.items()}
