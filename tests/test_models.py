@@ -50,7 +50,7 @@ def test_presets_are_seeded():
 
 def test_bert_base_preset_is_bert_base_uncased():
     source = models.resolve("bert-base")
-    config = models._preset_config("bert-base")
+    config = models.preset_config("bert-base")
     assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.intermediate_size,
             config.vocab_size) == (12, 768, 12, 3072, 30522)
     assert source.max_positions == 512
@@ -65,7 +65,7 @@ def test_default_inputs_are_the_seed_shape():
 def test_tokenizer_gives_the_tutorial_input(bert_dir):
     inputs = models.example_inputs(models.resolve(str(bert_dir)), batch=1, seq_len=None, text=None)
     assert inputs.shape == (1, 14)
-    assert inputs.token_type_ids.tolist() == [[0] * 7 + [1] * 7]
+    assert inputs.tensors["token_type_ids"].tolist() == [[0] * 7 + [1] * 7]
 
 
 def test_text_is_padded_to_seq_len(bert_dir):

@@ -15,10 +15,10 @@ def _bert_layer(dtype=torch.float32, attention="eager"):
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
-    from tvmbert.models import PRESETS
+    from tvmbert.families import PRESETS
 
     torch.manual_seed(0)
-    layer = BertLayer(BertConfig(**PRESETS["bert-tiny"], attn_implementation=attention)).to(dtype).train()
+    layer = BertLayer(BertConfig(**PRESETS["bert-tiny"].sizes, attn_implementation=attention)).to(dtype).train()
     hidden = torch.randn(1, 14, layer.attention.self.all_head_size, dtype=dtype)
     mask = torch.zeros(1, 1, 1, 14, dtype=dtype)
     mask[..., -4:] = torch.finfo(dtype).min  # four padding tokens

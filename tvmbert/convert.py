@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import artifacts, models
+from . import artifacts
 from .artifacts import Artifact
 from .errors import StageFailed
 from .job import Job
@@ -35,8 +35,9 @@ def convert(job: Job, force: bool = False) -> Artifact:
         raise StageFailed(f"Relax import failed: {str(exc).splitlines()[0]}") from exc
     module, params = relax.frontend.detach_params(module)
     # num_input tells Relax passes which parameters are user inputs and which are weights.
-    module["main"] = module["main"].with_attr("num_input", len(models.INPUT_NAMES))
-    names = [var.name for var in module["main"].params[len(models.INPUT_NAMES):]]
+    inputs = len(job.source.inputs)
+    module["main"] = module["main"].with_attr("num_input", inputs)
+    names = [var.name for var in module["main"].params[inputs:]]
     weights = {name: tensor.numpy() for name, tensor in zip(names, params["main"])}
     meta = {"weights": len(weights), "weight_bytes": int(sum(w.nbytes for w in weights.values())), "outputs": traced.meta["outputs"]}
     with artifacts.writing("convert", path, fp, meta) as tmp:

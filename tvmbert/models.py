@@ -108,7 +108,7 @@ def resolve(name: str, seed: int = 0, task: str | None = None) -> ModelSource:
     model_type = config_json.get("model_type")
     if model_type not in FAMILIES:
         raise InputError(
-            f"'{name}' holds a '{model_type}' model; tvmbert handles these BERT-family model types: {', '.join(FAMILIES)}"
+            f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(FAMILIES)}"
         )
     task = task or _task_from_architectures(name, config_json, FAMILIES[model_type])
     weights = [path / f for f in WEIGHT_FILES if (path / f).is_file()]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from . import models
 from .artifacts import Artifact
 from .build import LIBRARY_FILE
 from .convert import PARAMS_FILE, load_params
@@ -36,23 +35,22 @@ def _load_library(path: Path):
     return tvm.runtime.load_module(str(private))
 
 
-def check_inputs(arrays, shape: tuple[int, int], vocab_size: int, type_vocab_size: int) -> list[np.ndarray]:
-    """(input_ids, attention_mask, token_type_ids) as int64 arrays of the build's shape, each value
-    in its range, or an InputError that says which value is out of it."""
+def check_inputs(arrays, shape: tuple[int, int], limits: dict[str, int]) -> list[np.ndarray]:
+    """The inputs (named and ordered by ``limits``) as int64 arrays of the build's shape, each
+    value in [0, its limit), or an InputError that says which value is out of it."""
     arrays = [np.asarray(a) for a in arrays]
-    if len(arrays) != len(models.INPUT_NAMES):
-        raise InputError(f"a built model takes {len(models.INPUT_NAMES)} inputs ({', '.join(models.INPUT_NAMES)}), got {len(arrays)}")
-    limits = {"input_ids": vocab_size, "attention_mask": 2, "token_type_ids": type_vocab_size}
+    if len(arrays) != len(limits):
+        raise InputError(f"a built model takes {len(limits)} inputs ({', '.join(limits)}), got {len(arrays)}")
     checked = []
-    for name, array in zip(models.INPUT_NAMES, arrays):
+    for (name, limit), array in zip(limits.items(), arrays):
         if not np.issubdtype(array.dtype, np.integer):
             raise InputError(f"{name} must hold integers, got {array.dtype}")
         if array.shape != tuple(shape):
             raise InputError(f"{name} has shape {list(array.shape)}; this build takes {list(shape)} (build one with --batch/--seq-len)")
-        bad = np.argwhere((array < 0) | (array >= limits[name]))
+        bad = np.argwhere((array < 0) | (array >= limit))
         if len(bad):
             where = tuple(int(i) for i in bad[0])
-            allowed = "0 or 1" if name == "attention_mask" else f"in [0, {limits[name]})"
+            allowed = "0 or 1" if name == "attention_mask" else f"in [0, {limit})"
             raise InputError(f"{name} holds {array[where]} at {list(where)}: it must be {allowed}")
         checked.append(array.astype(np.int64, copy=False))
     return checked
@@ -68,7 +66,7 @@ class CompiledModel:
         device = job.target.device()
         self.device = device
         self.shape = job.inputs.shape
-        self.vocab_size, self.type_vocab_size = job.source.vocab_size, job.source.type_vocab_size
+        self.limits = job.source.input_limits
         self.vm = relax.VirtualMachine(_load_library(built.file(LIBRARY_FILE)), device)
         self.main = self.vm["main"]
         self.weights = [tvm.runtime.tensor(w, device) for w in load_params(built.file(PARAMS_FILE)).values()]
@@ -77,7 +75,7 @@ class CompiledModel:
         """Checked inputs on the device (InputError for any value the model has no row for)."""
         import tvm
 
-        checked = check_inputs(arrays, self.shape, self.vocab_size, self.type_vocab_size)
+        checked = check_inputs(arrays, self.shape, self.limits)
         return [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in checked]
 
     def run_on_device(self, device_inputs: list):

@@ -32,7 +32,9 @@ def trace(job: Job, force: bool = False) -> Artifact:
         "config_hash": job.source.fingerprint,
         "seed": job.config.seed,
         "dtype": job.config.dtype,
-        "inputs": {name: {"shape": [batch, seq_len], "dtype": "int64"} for name in models.INPUT_NAMES},
+        "family": job.source.family,
+        "task": job.source.task,
+        "inputs": {name: {"shape": [batch, seq_len], "dtype": "int64"} for name in job.inputs.names},
         "versions": versions(),
     }
     fp = artifacts.fingerprint(stage="trace", model=job.source.fingerprint, seed=job.config.seed, dtype=job.config.dtype,
@@ -50,14 +52,14 @@ def trace(job: Job, force: bool = False) -> Artifact:
         raise StageFailed(f"torch.export failed for {job.source.name}: {str(exc).splitlines()[0]}") from exc
     meta["outputs"] = [
         {"name": name, "shape": list(spec.shape), "dtype": str(spec.dtype).replace("torch.", "")}
-        for name, spec in zip(("last_hidden_state", "pooler_output"), _output_specs(program))
+        for name, spec in zip(model.output_names, _output_specs(program))
     ]
     # Serialized in memory first: torch's zip writer aborts the process when the disk fills up.
     program_bytes = io.BytesIO()
     torch.export.save(program, program_bytes)
     with artifacts.writing("trace", path, fp, meta) as tmp:
         (tmp / PROGRAM_FILE).write_bytes(program_bytes.getbuffer())
-        artifacts.write_json(tmp / "inputs.json", {n: t.tolist() for n, t in zip(models.INPUT_NAMES, job.inputs.as_tuple())})
+        artifacts.write_json(tmp / "inputs.json", {n: t.tolist() for n, t in job.inputs.tensors.items()})
     return artifacts.Artifact("trace", path, fp, {"fingerprint": fp, **meta}, cached=False)
 
 

@@ -434,21 +434,30 @@ def extract_tasks(lowered, target) -> list[tuning_db.Task]:
 
 
 def job_layer(job):
-    """The job's first encoder layer in train mode, fed what it sees in the model: the
-    embeddings of the job's example input, and the additive attention mask."""
+    """The job's first encoder layer in train mode, fed what it sees in the model: the hidden
+    states the model hands it for the job's example input (after the embeddings, and ALBERT's
+    projection of them), and the additive attention mask."""
     import torch
 
     from . import models
     from .config import torch_dtype
+    from .families import FAMILIES
 
     if job.config.dtype not in ("float32", "float64"):
         raise InputError(f"training runs in float32 or float64, not {job.config.dtype}")
-    model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed).model
-    example = job.inputs
-    with torch.no_grad():
-        hidden = model.embeddings(input_ids=example.input_ids, token_type_ids=example.token_type_ids)
-    mask = (1.0 - example.attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
-    return model.encoder.layer[0].train(), (hidden.detach(), mask)
+    wrapped = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
+    layer = FAMILIES[job.source.family].layers(wrapped.model.base_model)[0]
+    seen = []
+    hook = layer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0] if args else kwargs["hidden_states"]),
+                                           with_kwargs=True)
+    try:
+        with torch.no_grad():
+            wrapped(*job.inputs.as_tuple())
+    finally:
+        hook.remove()
+    hidden = seen[0]
+    mask = (1.0 - job.inputs.attention_mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+    return layer.train(), (hidden.detach(), mask)
 
 
 def layer_tasks(job) -> list[tuning_db.Task]:

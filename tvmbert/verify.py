@@ -61,7 +61,7 @@ def sample_inputs(job: Job, count: int) -> list[tuple]:
         ids = torch.randint(5, max(high, 6), (batch, seq_len), generator=generator)
         lengths = torch.randint(max(1, seq_len // 2), seq_len + 1, (batch,), generator=generator)
         mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
-        samples.append((ids * mask, mask, first.token_type_ids * mask))
+        samples.append(models.make_inputs(job.source, ids * mask, mask, first.tensors.get("token_type_ids", mask) * mask).as_tuple())
     return samples
 
 
@@ -75,7 +75,7 @@ def verify(job: Job) -> VerifyResult:
     tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
     reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     compiled = CompiledModel(built, job)
-    names = [o["name"] for o in built.meta.get("outputs", [])] or ["last_hidden_state", "pooler_output"]
+    names = reference.output_names
     worst: dict[int, OutputDiff] = {}
     for sample in sample_inputs(job, options.samples):
         with torch.no_grad():
@@ -86,7 +86,7 @@ def verify(job: Job) -> VerifyResult:
             rel = diff / np.maximum(np.abs(want.astype(np.float64)), 1e-3)
             previous = worst.get(index)
             worst[index] = OutputDiff(
-                names[index] if index < len(names) else f"output{index}",
+                names[index],
                 list(want.shape),
                 max(float(diff.max()), previous.max_abs_diff if previous else 0.0),
                 max(float(rel.max()), previous.max_rel_diff if previous else 0.0),
