@@ -1,0 +1,132 @@
+"""Model families and task heads: directories as users save them, through every stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tvmbert import models
+from tvmbert.errors import InputError
+from tvmbert.families import FAMILIES, PRESETS, TASKS
+
+SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+             max_position_embeddings=40)
+DISTILBERT_SMALL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=40)
+
+
+def _save(folder, class_name: str, **config) -> str:
+    """A fine-tuned-shaped directory: random weights of ``class_name``, saved as HF saves them."""
+    import transformers
+
+    model_class = getattr(transformers, class_name)
+    torch.manual_seed(5)
+    model_class(model_class.config_class(**config)).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> directory, one per (family, head) the tests below compile."""
+    made = {}
+    for class_name, config in [
+        ("BertForSequenceClassification", dict(SMALL, num_labels=3)),
+        ("DistilBertForTokenClassification", dict(DISTILBERT_SMALL, num_labels=5)),
+        ("AlbertForQuestionAnswering", dict(SMALL, embedding_size=16)),
+        ("RobertaForMaskedLM", dict(SMALL, max_position_embeddings=42)),
+        ("ElectraModel", dict(SMALL, embedding_size=16)),
+        ("BertForPreTraining", SMALL),
+    ]:
+        made[class_name] = _save(tmp_path_factory.mktemp(class_name), class_name, **config)
+    return made
+
+
+@pytest.mark.parametrize("class_name, task, outputs", [
+    ("BertForSequenceClassification", "text-classification", ["logits"]),
+    ("DistilBertForTokenClassification", "token-classification", ["logits"]),
+    ("AlbertForQuestionAnswering", "question-answering", ["start_logits", "end_logits"]),
+    ("RobertaForMaskedLM", "fill-mask", ["logits"]),
+    ("ElectraModel", "feature-extraction", ["last_hidden_state"]),  # ELECTRA has no pooler
+])
+def test_task_is_inferred_from_architectures(saved, class_name, task, outputs):
+    source = models.resolve(saved[class_name])
+    assert source.task == task
+    model = models.load(source)
+    assert list(model.output_names) == outputs
+    assert type(model.model).__name__ == class_name
+
+
+def test_unsupported_head_is_refused_with_the_supported_ones(saved):
+    with pytest.raises(InputError, match="BertForPreTraining, a head tvmbert does not compile; it compiles BertModel") as error:
+        models.resolve(saved["BertForPreTraining"])
+    assert "BertForQuestionAnswering (question-answering)" in str(error.value)
+    # Asked for by name, the encoder alone is what the user wants.
+    assert models.resolve(saved["BertForPreTraining"], task="feature-extraction").task == "feature-extraction"
+
+
+def test_unknown_task_names_the_known_ones():
+    with pytest.raises(InputError, match="unknown task 'text-clasification'.*did you mean text-classification"):
+        models.resolve("bert-tiny", task="text-clasification")
+
+
+def test_each_task_has_its_own_artifacts():
+    plain, head = models.resolve("bert-tiny"), models.resolve("bert-tiny", task="text-classification")
+    assert plain.key == "bert-tiny" and head.key == "bert-tiny-text-classification"
+    assert plain.fingerprint != head.fingerprint
+
+
+def test_distilbert_takes_no_segment_ids():
+    source = models.resolve("distilbert-tiny")
+    assert source.inputs == ("input_ids", "attention_mask")
+    inputs = models.example_inputs(source, batch=2, seq_len=9, text=None)
+    assert inputs.names == ("input_ids", "attention_mask") and inputs.shape == (2, 9)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_their_family(name):
+    config = models.preset_config(name)
+    preset = PRESETS[name]
+    assert type(config).__name__ == FAMILIES[preset.family].config_class
+    assert config.vocab_size == preset.vocab_size
+
+
+def test_every_family_has_every_head():
+    import transformers
+
+    for family in FAMILIES.values():
+        for task in TASKS.values():
+            assert hasattr(transformers, family.model_prefix + task.class_suffix), (family.model_prefix, task.class_suffix)
+
+
+@pytest.mark.parametrize("model, dtype, args", [
+    ("BertForSequenceClassification", "float32", ()),
+    ("DistilBertForTokenClassification", "float32", ()),
+    ("AlbertForQuestionAnswering", "float64", ()),
+    ("RobertaForMaskedLM", "float32", ("--batch", "2", "--seq-len", "11")),
+    ("distilbert-tiny", "float64", ()),
+    ("albert-tiny", "float32", ("--task", "text-classification")),
+])
+def test_verify_heads_and_families(tvmbert, saved, tmp_path, model, dtype, args):
+    outcome = tvmbert("verify", saved.get(model, model), "--dtype", dtype, *args, "--log-dir", str(tmp_path), "--json")
+    assert outcome.code == 0, outcome.stderr
+    result = outcome.json
+    source = models.resolve(saved.get(model, model), task=dict(zip(args[::2], args[1::2])).get("--task"))
+    assert [o["name"] for o in result["outputs"]] == list(models.load(source).output_names)
+    assert result["passed"] and result["samples"] == 3
+
+
+@pytest.mark.parametrize("model", ["distilbert-tiny", "albert-tiny"])
+def test_training_dispatch_on_a_layer_of_each_family(tvmbert, tmp_path, model):
+    outcome = tvmbert("verify", model, "--train", "--log-dir", str(tmp_path), "--json")
+    assert outcome.code == 0, outcome.stderr
+    result = outcome.json
+    assert result["passed"], result
+    assert result["layer"].startswith({"distilbert-tiny": "TransformerBlock", "albert-tiny": "AlbertLayer"}[model])
+
+
+def test_trace_names_the_family_and_task(tvmbert, saved):
+    outcome = tvmbert("trace", saved["DistilBertForTokenClassification"], "--json")
+    assert outcome.code == 0, outcome.stderr
+    meta = outcome.json
+    assert meta["family"] == "distilbert" and meta["task"] == "token-classification"
+    assert sorted(meta["inputs"]) == ["attention_mask", "input_ids"]
+    assert [o["name"] for o in meta["outputs"]] == ["logits"] and meta["outputs"][0]["shape"] == [1, 14, 5]
