@@ -131,7 +131,7 @@ def convert(as_json, force, **params):
 @click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
 @click.option("--passes", help="Comma-separated pass pipeline (default: the config's, or all).")
 @click.option("--disable", multiple=True, help="Leave out a pass by name (repeatable).")
-@click.option("--viz", is_flag=True, help="Draw BertLayer 0 before and after the passes (SVG; DOT without Graphviz).")
+@click.option("--viz", is_flag=True, help="Draw encoder layer 0 before and after the passes (SVG; DOT without Graphviz).")
 @_quiet_warnings
 def optimize(as_json, force, passes, disable, viz, **params):
     """Run the graph-pass pipeline; report op counts before and after."""

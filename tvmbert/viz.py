@@ -1,9 +1,10 @@
-"""Pictures of one BertLayer: the Relax dataflow graph as Graphviz DOT, rendered to SVG.
+"""Pictures of encoder layer 0: the Relax dataflow graph as Graphviz DOT, rendered to SVG.
 
 In the spirit of the seed post's ``visualize()``: operators with their attributes, small
-constants inline, weights as boxes with shape and dtype. The layer is found by position: every
-BertLayer holds two layer norms and the embeddings one, so layer 0 is what lies after the first
-layer norm up to and including the third, before and after any pass.
+constants inline, weights as boxes with shape and dtype. The layer is found by position: in
+every family (BERT, DistilBERT, ALBERT, ...) an encoder layer holds two layer norms and the
+embeddings one, so layer 0 is what lies after the first layer norm up to and including the
+third, before and after any pass.
 """
 
 from __future__ import annotations
