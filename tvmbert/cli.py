@@ -329,7 +329,7 @@ def _print_ops(result):
 
 
 def _print_build(result):
-    from .build import summary
+    from .compiler import summary
 
     out.print(f"build: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
     out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read'])}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from .errors import InputError
+from .passes import check_pass_names
 
 STAGES = ("trace", "convert", "optimize", "tune", "build", "verify", "bench")
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
@@ -94,13 +95,16 @@ class JobConfig:
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")
         if self.passes is not None:
-            from .optimize import check_pass_names
-
             check_pass_names(self.passes, where)
         self.tune.validate(where)
         self.bench.validate(where)
         self.verify.validate(where)
         return self
+
+    @property
+    def mixed_precision(self) -> bool:
+        """TVM computes in reduced precision from a float32 model (the mixed-precision pass)."""
+        return self.dtype in MIXED_PRECISION
 
     def with_overrides(self, **overrides) -> JobConfig:
         """CLI flags win over the file; None means the flag was not given."""

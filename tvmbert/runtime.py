@@ -16,9 +16,8 @@ import numpy as np
 
 from . import models
 from .artifacts import Artifact
-from .build import LIBRARY_FILE
-from .convert import PARAMS_FILE, load_params
 from .errors import InputError
+from .ir_io import LIBRARY_FILE, PARAMS_FILE, load_params
 
 
 def _load_library(path: Path):

@@ -26,8 +26,8 @@ from rich.table import Table
 
 from . import measure, tuning_db
 from .catalog import Catalog
-from .convert import load_module
 from .errors import InputError, Interrupted
+from .ir_io import load_module
 from .job import Job
 from .optimize import optimize
 from .targets import cpu_count
