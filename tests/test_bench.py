@@ -7,7 +7,8 @@ import csv
 import numpy as np
 import pytest
 
-from tvmbert.bench import Engine, _check, _ratios
+from tvmbert.bench.engines import Engine, _check
+from tvmbert.bench.timing import _ratios
 
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
 

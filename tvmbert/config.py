@@ -12,8 +12,8 @@ import yaml
 
 from .errors import InputError
 from .passes import check_pass_names
+from .registry import ENGINES, STAGES
 
-STAGES = ("trace", "convert", "optimize", "tune", "build", "verify", "bench")
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 # Computed in reduced precision by TVM from a float32 model; PyTorch stays the float32 reference.
 MIXED_PRECISION = ("float16", "bfloat16")
@@ -46,8 +46,6 @@ class BenchOptions:
     engines: tuple[str, ...] | None = None  # default: every engine (tvm is always timed)
 
     def validate(self, where: str) -> None:
-        from .bench import ENGINES
-
         unknown = [name for name in self.engines or () if name not in ENGINES]
         _require(not unknown, where, "bench.engines", f"names from {', '.join(ENGINES)} (got {', '.join(unknown)})")
         _require(self.warmup >= 0, where, "bench.warmup", "a number >= 0")
