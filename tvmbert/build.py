@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from . import artifacts, toolchain, tuning_db
+from . import artifacts, tuning_db
 from .artifacts import Artifact
 from .compiler import PREPACK_ENTRY, compile_tuned
 from .ir_io import LIBRARY_FILE, PARAMS_FILE, load_module, load_params, save_params
@@ -22,7 +22,7 @@ def build(job: Job, force: bool = False) -> Artifact:
         job.say(f"build: cached ({path})")
         _suggest_adapt(job, hit.meta)
         return hit
-    toolchain.check(job.target)
+    job.target.check_toolchain()
 
     optimized_module = load_module(optimized.path)
     started = time.perf_counter()
