@@ -154,8 +154,8 @@ def resolve(text: str) -> TargetSpec:
             raise InputError(f"target '{text}' cannot be read: {exc}") from None
     if kind not in KINDS:
         raise InputError(f"unknown target '{text}': use one of {', '.join(KINDS)}, e.g. 'cuda -arch=sm_90', or a JSON dict")
-    spec = KINDS[kind]
-    for option, default in spec.defaults.items():
+    facts = KINDS[kind]
+    for option, default in facts.defaults.items():
         if option not in options:
             options[option] = default()
     config = {"kind": kind, **options}
@@ -165,9 +165,9 @@ def resolve(text: str) -> TargetSpec:
         tvm.target.Target(config)
     except Exception as exc:  # TVM raises several types for a bad attribute
         raise InputError(f"target '{text}' is not valid for TVM: {str(exc).splitlines()[-1]}") from None
-    if spec.llvm_triple is not None:
-        _check_llvm_cpu(text, config, spec.llvm_triple)
-    return TargetSpec(text=text, config=config, key=_key(kind, options[spec.key_option]))
+    if facts.llvm_triple is not None:
+        _check_llvm_cpu(text, config, facts.llvm_triple)
+    return TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]))
 
 
 def _check_llvm_cpu(text: str, config: dict, default_triple: Callable[[], str]) -> None:
