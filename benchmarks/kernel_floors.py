@@ -28,9 +28,9 @@ def main() -> None:
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     from tvmbert import Job, JobConfig, optimize, tuning_db
-    from tvmbert.bench import set_threads
+    from tvmbert.bench.timing import set_threads
     from tvmbert.catalog import Catalog
-    from tvmbert.convert import load_module
+    from tvmbert.ir_io import load_module
     from tvmbert.targets import cpu_count
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, dtype=args.dtype))

@@ -23,7 +23,7 @@ def main() -> None:
 
     from tvmbert import Job, JobConfig, optimize, tuning_db
     from tvmbert.catalog import Catalog
-    from tvmbert.convert import load_module
+    from tvmbert.ir_io import load_module
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, target=args.target, log_dir=args.log_dir))
     catalog = Catalog(job.log_dir(), job.target.key, warn=print, cores=job.target.config.get("num-cores"))

@@ -14,8 +14,9 @@ import sys
 from dataclasses import replace
 
 from tvmbert import Job, JobConfig, build
-from tvmbert.bench import Engine, _summary, measure, set_threads
-from tvmbert.optimize import DEFAULT_PASSES
+from tvmbert.bench.engines import Engine
+from tvmbert.bench.timing import _summary, measure, set_threads
+from tvmbert.passes import DEFAULT_PASSES
 from tvmbert.runtime import CompiledModel
 from tvmbert.targets import cpu_count
 

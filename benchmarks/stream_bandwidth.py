@@ -30,7 +30,7 @@ def main() -> None:
     from tvm import te
 
     from tvmbert import targets
-    from tvmbert.bench import set_threads
+    from tvmbert.bench.timing import set_threads
     from tvmbert.targets import cpu_count
 
     set_threads(cpu_count())

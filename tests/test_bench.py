@@ -7,7 +7,8 @@ import csv
 import numpy as np
 import pytest
 
-from tvmbert.bench import Engine, _check, _ratios
+from tvmbert.bench.engines import Engine, _check
+from tvmbert.bench.timing import _ratios
 
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
 
@@ -47,8 +48,8 @@ def test_a_wrong_engine_is_reported_not_timed():
     garbage_on_padding[0, 3] = 7.0
     fine = Engine("fine", lambda: None, lambda: [garbage_on_padding, np.zeros((1, 2))])
     wrong = Engine("wrong", lambda: None, lambda: [np.full((1, 4, 2), 0.5), np.zeros((1, 2))])
-    assert _check(fine, expected, mask, 1e-3) is None  # padded positions are nobody's answer
-    assert "wrong results" in _check(wrong, expected, mask, 1e-3)
+    assert _check(fine, expected, mask, [True, False], 1e-3) is None  # padded positions are nobody's answer
+    assert "wrong results" in _check(wrong, expected, mask, [True, False], 1e-3)
 
 
 def test_ratio_is_tvm_over_the_best_other():

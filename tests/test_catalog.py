@@ -80,8 +80,8 @@ def test_default_schedules_leave_no_kernel_a_naive_loop_nest(tvmbert, workdir, t
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
     from tvmbert import Job, JobConfig, optimize
-    from tvmbert.convert import load_module
     from tvmbert.cpu_schedules import default_cpu_schedules
+    from tvmbert.ir_io import load_module
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
     module = tuning_db.inference_module(load_module(optimize(job).path), job.target)

@@ -145,7 +145,7 @@ def test_gelu_is_exact_unless_fast_math_is_asked_for(tvmbert):
 
 @pytest.mark.parametrize("dtype, measured", [("float16", 2e-3), ("bfloat16", 1e-2)])
 def test_mixed_precision(tvmbert, workdir, dtype, measured):
-    from tvmbert.convert import load_params
+    from tvmbert.ir_io import load_params
 
     outcome = tvmbert("verify", "bert-tiny", "--dtype", dtype, "--json")
     assert outcome.code == 0, outcome.stderr

@@ -42,7 +42,7 @@ def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
 
 def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned, workdir):
     from tvmbert import Job, JobConfig, optimize
-    from tvmbert.convert import PARAMS_FILE, load_module, load_params
+    from tvmbert.ir_io import PARAMS_FILE, load_module, load_params
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
     module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
@@ -66,7 +66,7 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
     from tvm.s_tir import meta_schedule as ms
 
     from tvmbert import Job, JobConfig, optimize
-    from tvmbert.convert import load_module
+    from tvmbert.ir_io import load_module
 
     shutil.copytree(tuned, tmp_path / "logs")
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))

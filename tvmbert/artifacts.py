@@ -31,10 +31,11 @@ FORMAT_VERSION = 1  # bump when an artifact's files change meaning
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """A hash of tvmbert's own source: a changed pass or exporter invalidates what it produced."""
+    """A hash of tvmbert's own source, subpackages too: a changed pass or exporter invalidates what it produced."""
     digest = hashlib.sha256()
-    for source in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(source.name.encode() + source.read_bytes())
+    root = Path(__file__).parent
+    for source in sorted(root.rglob("*.py")):
+        digest.update(source.relative_to(root).as_posix().encode() + source.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -54,6 +55,12 @@ class Artifact:
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+
+def artifact_summary(artifact: Artifact) -> dict:
+    """An artifact as JSON: its meta, where it is and whether it was reused."""
+    meta = {k: v for k, v in artifact.meta.items() if k not in ("fingerprint", "stage")}
+    return {"artifact": meta.pop("artifact", str(artifact.path)), "cached": artifact.cached, **meta}
 
 
 def read(stage: str, path: Path) -> Artifact | None:

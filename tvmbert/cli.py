@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 from . import config as config_module
-from .bench import ENGINES as ENGINE_NAMES
 from .config import JobConfig
 from .errors import CheckFailed, InputError, TvmbertError
+from .registry import ENGINES as ENGINE_NAMES
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -108,7 +108,7 @@ def cli():
 @_quiet_warnings
 def trace(as_json, force, **params):
     """torch.export the model with its example inputs."""
-    from .pipeline import artifact_summary
+    from .artifacts import artifact_summary
     from .trace import trace as run
 
     _emit(as_json, artifact_summary(run(_job(params), force=force)), _print_artifact("trace"))
@@ -120,8 +120,8 @@ def trace(as_json, force, **params):
 @_quiet_warnings
 def convert(as_json, force, **params):
     """Import the exported program into TVM Relax (IR saved as TVMScript)."""
+    from .artifacts import artifact_summary
     from .convert import convert as run
-    from .pipeline import artifact_summary
 
     _emit(as_json, artifact_summary(run(_job(params), force=force)), _print_artifact("convert"))
 
@@ -135,9 +135,9 @@ def convert(as_json, force, **params):
 @_quiet_warnings
 def optimize(as_json, force, passes, disable, viz, **params):
     """Run the graph-pass pipeline; report op counts before and after."""
+    from .artifacts import artifact_summary
     from .optimize import optimize as run
     from .optimize import pictures
-    from .pipeline import artifact_summary
 
     overrides = {"passes": tuple(p.strip() for p in passes.split(",") if p.strip())} if passes else None
     job = _job(params, overrides)
@@ -203,8 +203,8 @@ def compact(log_dir, top_k, as_json):
 @_quiet_warnings
 def build(as_json, force, **params):
     """Compile for the target with the tuning database applied."""
+    from .artifacts import artifact_summary
     from .build import build as run
-    from .pipeline import artifact_summary
 
     _emit(as_json, artifact_summary(run(_job(params), force=force)), _print_build)
 
@@ -331,7 +331,7 @@ def _print_ops(result):
 
 
 def _print_build(result):
-    from .build import summary
+    from .compiler import summary
 
     out.print(f"build: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
     out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read'])}")

@@ -11,8 +11,9 @@ from pathlib import Path
 import yaml
 
 from .errors import InputError
+from .passes import check_pass_names
+from .registry import ENGINES, STAGES
 
-STAGES = ("trace", "convert", "optimize", "tune", "build", "verify", "bench")
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 # Computed in reduced precision by TVM from a float32 model; PyTorch stays the float32 reference.
 MIXED_PRECISION = ("float16", "bfloat16")
@@ -45,8 +46,6 @@ class BenchOptions:
     engines: tuple[str, ...] | None = None  # default: every engine (tvm is always timed)
 
     def validate(self, where: str) -> None:
-        from .bench import ENGINES
-
         unknown = [name for name in self.engines or () if name not in ENGINES]
         _require(not unknown, where, "bench.engines", f"names from {', '.join(ENGINES)} (got {', '.join(unknown)})")
         _require(self.warmup >= 0, where, "bench.warmup", "a number >= 0")
@@ -95,13 +94,16 @@ class JobConfig:
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")
         if self.passes is not None:
-            from .optimize import check_pass_names
-
             check_pass_names(self.passes, where)
         self.tune.validate(where)
         self.bench.validate(where)
         self.verify.validate(where)
         return self
+
+    @property
+    def mixed_precision(self) -> bool:
+        """TVM computes in reduced precision from a float32 model (the mixed-precision pass)."""
+        return self.dtype in MIXED_PRECISION
 
     def with_overrides(self, **overrides) -> JobConfig:
         """CLI flags win over the file; None means the flag was not given."""

@@ -12,6 +12,7 @@ from . import artifacts, models, targets
 from .artifacts import Artifact
 from .config import JobConfig
 from .errors import InputError
+from .registry import STAGES
 
 
 def _check_folder(path: Path, option: str) -> None:
@@ -56,7 +57,7 @@ class Job:
 
     def stage_dir(self, stage: str) -> Path:
         base = Path(self.config.workdir) / self.source.key / self.shape_key
-        if stage in ("trace", "convert", "optimize"):
+        if not STAGES[stage].per_target:
             return base / stage
         return base / self.target.key / stage
 

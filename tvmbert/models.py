@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import InputError
-from .families import DEFAULT_TASK, FAMILIES, PRESETS, TASKS, Family, Task, preset_config_kwargs, task_of_architecture
+from .families import DEFAULT_TASK, FAMILIES, PRESETS, TASKS, Family, preset_config_kwargs, task_of_architecture
 
 if TYPE_CHECKING:
     import torch

@@ -1,8 +1,15 @@
-"""Graph passes of our own, where TVM 0.27's do not match what the PyTorch exporter produces."""
+"""The graph passes the optimize stage can run (PASSES: adding a pass is one entry there), and
+our own passes and importer conversions, where TVM 0.27's do not match what the PyTorch exporter
+produces. Below the stages: training lowers its modules with the same passes, and config checks
+pass names against the same table."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import InputError
 
 WEIGHT_LAYOUT_OPS = ("relax.permute_dims", "relax.reshape", "relax.astype")
 
@@ -207,3 +214,73 @@ def vectorized_erf() -> dict:
         "relax.nn.gelu": float32_only("relax.nn.gelu", lambda x: x * (0.5 + topi.fast_erf(x * 0.7071067811865476) * 0.5)),
         "relax.erf": float32_only("relax.erf", topi.fast_erf),
     }
+
+
+def dtype_preserving_matmuls() -> dict:
+    """TVM 0.27's importer gives every matmul out_dtype="float32", which silently turns a float64
+    model into a mixed one that does not even type-check; these keep the inputs' dtype."""
+    from tvm import relax
+
+    def matmul(node, importer):
+        lhs, rhs = (importer.env[arg] for arg in node.args[:2])
+        return importer.block_builder.emit(relax.op.matmul(lhs, rhs))
+
+    def addmm(node, importer):
+        bias, lhs, rhs = (importer.env[arg] for arg in node.args[:3])
+        alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+        emit = importer.block_builder.emit
+        dtype = bias.ty.dtype
+        product = emit(relax.op.matmul(lhs, rhs))
+        if alpha != 1:
+            product = emit(relax.op.multiply(product, relax.const(alpha, dtype)))
+        if beta != 1:
+            bias = emit(relax.op.multiply(bias, relax.const(beta, dtype)))
+        return emit(relax.op.add(bias, product)) if beta != 0 else product
+
+    return {"matmul.default": matmul, "mm.default": matmul, "bmm.default": matmul, "addmm.default": addmm}
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    name: str
+    make: Callable[[object, str], list]  # (relax.transform, the job's dtype) -> the TVM passes it runs, in order
+    added_by: Callable[[object], bool] | None = None  # opt-in: not in the default pipeline; added where this holds for the JobConfig
+
+
+# In their canonical order: an opt-in pass is added before the first listed pass that follows it here.
+PASSES = (
+    GraphPass("fold-constants", lambda t, dtype: [t.FoldConstant()]),
+    GraphPass("cse", lambda t, dtype: [t.EliminateCommonSubexpr()]),
+    # Q, K and V projections (same input) become one matmul + split; biases too.
+    GraphPass("combine-qkv", lambda t, dtype: [combine_parallel_matmuls()]),
+    # Added for --dtype float16/bfloat16: matmuls in reduced precision accumulating in fp32;
+    # bind-params then stores those weights in it (half the bytes to stream per inference).
+    GraphPass("mixed-precision", lambda t, dtype: [t.ToMixedPrecision(out_dtype="float32") if dtype == "float16"
+                                                   else reduced_precision_matmuls(dtype)],
+              added_by=lambda config: config.mixed_precision),
+    # Weight-only computations (transposed weights, the position-embedding slice) move into
+    # main_transform_params, which the build runs once: folded like bound constants, while
+    # the weights stay in a separate file instead of inside the library.
+    GraphPass("bind-params", lambda t, dtype: [t.LiftTransformParams()]),
+    GraphPass("dce", lambda t, dtype: [t.DeadCodeElimination()]),
+    # Off by default (--fast-math): GELU as tanh, fast exp/erf/tanh/softmax.
+    GraphPass("fast-math", lambda t, dtype: fast_math(), added_by=lambda config: config.fast_math),
+    GraphPass("legalize", lambda t, dtype: [t.LegalizeOps(vectorized_erf()), t.AnnotateTIROpPattern(), t.FoldConstant()]),
+    GraphPass("fuse", lambda t, dtype: [t.FuseOps(), t.FuseTIR()]),
+)
+PASS_NAMES = tuple(p.name for p in PASSES)
+DEFAULT_PASSES = tuple(p.name for p in PASSES if p.added_by is None)
+
+
+def check_pass_names(names, where: str = "options") -> None:
+    unknown = [name for name in names if name not in PASS_NAMES]
+    if unknown:
+        raise InputError(f"{where}: unknown pass {', '.join(repr(n) for n in unknown)} (known: {', '.join(PASS_NAMES)})")
+
+
+def pass_list(names, dtype: str = "float32") -> list:
+    """The TVM passes behind ``names``, in order: optimize's pipeline, and training's lowering."""
+    from tvm import relax
+
+    table = {p.name: p for p in PASSES}
+    return [tvm_pass for name in names for tvm_pass in table[name].make(relax.transform, dtype)]

@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from .artifacts import Artifact
-from .build import LIBRARY_FILE
-from .convert import PARAMS_FILE, load_params
 from .errors import InputError
+from .ir_io import LIBRARY_FILE, PARAMS_FILE, load_params
 
 
 def _load_library(path: Path):

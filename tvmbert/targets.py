@@ -7,14 +7,41 @@ import json
 import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import toolchain
 from .errors import InputError
 
 DEFAULT_CUDA_ARCH = "sm_90"
 DEFAULT_ROCM_MCPU = "gfx906"
-KINDS = ("llvm", "cuda", "rocm")
+
+
+@dataclass(frozen=True)
+class TargetKind:
+    """What tvmbert knows of one TVM target kind: adding a kind is one entry in KINDS."""
+
+    name: str
+    device: str  # TVM's device type (tvm.device(device, 0)), as MetaSchedule's runners name it too
+    key_option: str  # the option whose value names the target's database key: llvm-<mcpu>
+    defaults: dict[str, Callable[[], object]]  # options filled in, in this order, when not given
+    llvm_triple: Callable[[], str] | None = None  # mcpu is an LLVM CPU of this triple (unless mtriple says): checked
+    toolchain: Callable[[], None] | None = None  # checks the tools a build needs on this machine
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device != "cpu"
+
+
+KINDS = {kind.name: kind for kind in (
+    TargetKind("llvm", "cpu", "mcpu", {"mcpu": lambda: host_mcpu(), "num-cores": lambda: cpu_count()},
+               llvm_triple=lambda: _host_triple()),
+    TargetKind("cuda", "cuda", "arch", {"arch": lambda: _local_cuda_arch() or DEFAULT_CUDA_ARCH},
+               toolchain=toolchain.check_cuda),
+    TargetKind("rocm", "rocm", "mcpu", {"mcpu": lambda: DEFAULT_ROCM_MCPU}, llvm_triple=lambda: "amdgcn-amd-amdhsa",
+               toolchain=toolchain.check_rocm),
+)}
 
 
 @dataclass(frozen=True)
@@ -31,13 +58,17 @@ class TargetSpec:
 
     @property
     def is_gpu(self) -> bool:
-        return self.kind in ("cuda", "rocm")
+        return KINDS[self.kind].is_gpu
+
+    @property
+    def device_type(self) -> str:
+        return KINDS[self.kind].device
 
     @property
     def prepacks_weights(self) -> bool:
         """CPU kernels read weights in the order their tiles want, repacked once at build time;
         GPU kernels take them as they are (dlight and the GPU rules stage tiles in shared memory)."""
-        return self.kind == "llvm"
+        return not self.is_gpu
 
     def tvm_target(self):
         import tvm
@@ -50,10 +81,16 @@ class TargetSpec:
     def device(self):
         import tvm
 
-        return {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[self.kind](0)
+        return tvm.device(self.device_type, 0)
 
     def device_present(self) -> bool:
-        return self.kind == "llvm" or bool(self.device().exist)
+        return not self.is_gpu or bool(self.device().exist)
+
+    def check_toolchain(self) -> None:
+        """Before TVM fails deep inside codegen: the tools a build for this kind needs."""
+        check = KINDS[self.kind].toolchain
+        if check is not None:
+            check()
 
 
 # Read once, before any thread pool could pin this process to fewer cores.
@@ -107,7 +144,7 @@ def resolve(text: str) -> TargetSpec:
             config = json.loads(text)
         except json.JSONDecodeError as exc:
             raise InputError(f"target JSON is malformed: {exc}") from None
-        if not isinstance(config, dict) or config.get("kind") not in KINDS:
+        if not isinstance(config, dict) or not isinstance(config.get("kind"), str) or config["kind"] not in KINDS:
             raise InputError(f"target JSON needs \"kind\" one of {', '.join(KINDS)}")
         kind, options = config.pop("kind"), config
     else:
@@ -117,16 +154,10 @@ def resolve(text: str) -> TargetSpec:
             raise InputError(f"target '{text}' cannot be read: {exc}") from None
     if kind not in KINDS:
         raise InputError(f"unknown target '{text}': use one of {', '.join(KINDS)}, e.g. 'cuda -arch=sm_90', or a JSON dict")
-    if kind == "llvm":
-        options.setdefault("mcpu", host_mcpu())
-        options.setdefault("num-cores", cpu_count())
-        detail = options["mcpu"]
-    elif kind == "cuda":
-        options.setdefault("arch", _local_cuda_arch() or DEFAULT_CUDA_ARCH)
-        detail = options["arch"]
-    else:
-        options.setdefault("mcpu", DEFAULT_ROCM_MCPU)
-        detail = options["mcpu"]
+    facts = KINDS[kind]
+    for option, default in facts.defaults.items():
+        if option not in options:
+            options[option] = default()
     config = {"kind": kind, **options}
     try:
         import tvm
@@ -134,18 +165,18 @@ def resolve(text: str) -> TargetSpec:
         tvm.target.Target(config)
     except Exception as exc:  # TVM raises several types for a bad attribute
         raise InputError(f"target '{text}' is not valid for TVM: {str(exc).splitlines()[-1]}") from None
-    if kind != "cuda":
-        _check_llvm_cpu(text, config)
-    return TargetSpec(text=text, config=config, key=_key(kind, detail))
+    if facts.llvm_triple is not None:
+        _check_llvm_cpu(text, config, facts.llvm_triple)
+    return TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]))
 
 
-def _check_llvm_cpu(text: str, config: dict) -> None:
+def _check_llvm_cpu(text: str, config: dict, default_triple: Callable[[], str]) -> None:
     """LLVM takes a CPU name it does not know with a warning, and builds generic code: exit 0 and
     slow kernels, tuned into a database named after a CPU that does not exist."""
     import tvm
     from tvm.target import codegen
 
-    triple = str(config.get("mtriple") or (codegen.llvm_get_system_triple() if config["kind"] == "llvm" else "amdgcn-amd-amdhsa"))
+    triple = str(config.get("mtriple") or default_triple())
     cpu = str(config["mcpu"])
     if not codegen.llvm_is_valid_cpu(cpu, triple):
         known = [str(name) for name in codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm", "mtriple": triple}))]
@@ -166,3 +197,9 @@ def _local_cuda_arch() -> str | None:
     if not device.exist:
         return None
     return "sm_" + device.compute_version.replace(".", "")
+
+
+def _host_triple() -> str:
+    from tvm.target import codegen
+
+    return str(codegen.llvm_get_system_triple())

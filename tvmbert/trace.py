@@ -9,9 +9,8 @@ from . import artifacts, models
 from .artifacts import Artifact
 from .config import torch_dtype
 from .errors import StageFailed
+from .ir_io import PROGRAM_FILE
 from .job import Job
-
-PROGRAM_FILE = "program.pt2"
 
 
 def versions() -> dict:

@@ -361,7 +361,7 @@ def export(forward, module, inputs):
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    from .convert import dtype_preserving_matmuls
+    from .passes import dtype_preserving_matmuls
 
     sites = dropout_sites(forward, inputs)
     masks = [torch.ones(s.shape, dtype=s.dtype, device=inputs[0].device) for s in sites]
@@ -401,7 +401,7 @@ def lower(module):
     import tvm
     from tvm import relax
 
-    from .optimize import pass_list
+    from .passes import pass_list
 
     t = relax.transform
     dce = t.DeadCodeElimination(list(ENTRIES))
@@ -414,7 +414,7 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
     import tvm
     from tvm import relax
 
-    from .build import compile_tuned
+    from .compiler import compile_tuned
 
     split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
     compiled = compile_tuned(lower(split.module), target, log_dir, _to_stderr, ENTRIES, label=type(module).__name__)

@@ -26,8 +26,8 @@ from rich.table import Table
 
 from . import measure, tuning_db
 from .catalog import Catalog
-from .convert import load_module
 from .errors import InputError, Interrupted
+from .ir_io import load_module
 from .job import Job
 from .optimize import optimize
 from .targets import cpu_count
@@ -303,7 +303,7 @@ class _Session:
     def __enter__(self):
         logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
         options = self.job.config.tune
-        self.builder = measure.make_builder(cpu=self.job.target.kind == "llvm", workers=cpu_count())
+        self.builder = measure.make_builder(cpu=not self.job.target.is_gpu, workers=cpu_count())
         cold = not self.job.target.is_gpu
         self.runner = measure.make_rpc_runner(options.rpc_tracker, options.rpc_key, self.servers, cold) \
             if options.rpc_tracker else measure.make_local_runner(cold)
@@ -372,7 +372,7 @@ class _Session:
         state.status = "measuring"
         self.refresh()
         workload = self.database.commit_workload(task.module)
-        device = "cpu" if self.job.target.kind == "llvm" else self.job.target.kind
+        device = self.job.target.device_type
         for start in range(0, len(records), TRIALS_PER_BATCH):
             batch = records[start:start + TRIALS_PER_BATCH]
             modules = []

@@ -1,0 +1,129 @@
+"""The engines bench times: set up from registry.ENGINES (a factory per entry below), and checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import models, registry
+from ..build import build
+from ..config import torch_dtype
+from ..job import Job
+from ..runtime import CompiledModel
+
+ENGINES = tuple(registry.ENGINES)  # their names, in report order
+# A sanity check of each engine, not verify's bar. In float16 mode the peers run in float32.
+CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+@dataclass
+class Engine:
+    name: str
+    run: Callable[[], object]  # one inference, synchronized
+    outputs: Callable[[], list[np.ndarray]]  # one inference, results on the host
+    setup_s: float = 0.0  # export / compile / build / load: the one-time cost
+    memory_mb: float = 0.0  # resident memory the engine added when set up and first run
+    timings_ms: list[float] = field(default_factory=list)
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def tvm_engine(job: Job, inputs, threads: int) -> Engine:
+    built = job.upstream("build", build)
+    compiled = CompiledModel(built, job)
+    device_inputs = compiled.to_device([t.numpy() for t in inputs])
+
+    def run():
+        compiled.run_on_device(device_inputs)
+        compiled.sync()
+
+    engine = Engine("tvm", run, lambda: compiled([t.numpy() for t in inputs]))
+    engine.setup_s = float(built.meta.get("build_seconds", 0.0))
+    return engine
+
+
+def _torch(name: str, job: Job, inputs, attention: str, compiled: bool = False) -> Engine:
+    import torch
+
+    model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation=attention)
+    if compiled:
+        model = torch.compile(model, backend="inductor")
+
+    def run():
+        with torch.inference_mode():
+            return model(*inputs)
+
+    return Engine(name, run, lambda: [t.numpy() for t in run()])
+
+
+def torch_eager(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-eager", job, inputs, "eager")
+
+
+def torch_sdpa(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-sdpa", job, inputs, "sdpa")
+
+
+def torch_compile(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-compile", job, inputs, "sdpa", compiled=True)
+
+
+def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
+    import onnxruntime as ort
+    import torch
+
+    path = job.stage_dir("build").parent / "onnx" / "model.onnx"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
+        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
+        torch.onnx.export(model, tuple(inputs), str(tmp), input_names=list(job.source.inputs), output_names=list(model.output_names),
+                          dynamo=True, optimize=True, verbose=False)
+        tmp.replace(path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
+    return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
+
+
+def _available(name: str) -> str | None:
+    """Why an engine cannot run here, or None."""
+    missing = [m for m in registry.ENGINES[name].requires if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"not installed ({', '.join(missing)}): pip install 'tvmbert[peers]'"
+    return None
+
+
+def _make(name: str, job: Job, inputs, threads: int) -> Engine:
+    factory = registry.resolve(registry.ENGINES[name].factory)
+    before, started = _rss_mb(), time.perf_counter()
+    engine = factory(job, inputs, threads)
+    engine.run()  # first call: lazy compilation (torch.compile) and allocation belong to setup
+    engine.setup_s += time.perf_counter() - started
+    engine.memory_mb = max(0.0, _rss_mb() - before)
+    return engine
+
+
+def _check(engine: Engine, expected: list[np.ndarray], mask: np.ndarray, per_token: list[bool], tolerance: float) -> str | None:
+    """Compares per-token outputs on real tokens only: padded positions are not part of anybody's answer."""
+    got = engine.outputs()
+    if len(got) != len(expected):
+        return f"returned {len(got)} outputs, expected {len(expected)}"
+    worst = 0.0
+    for have, want, token_rows in zip(got, expected, per_token):
+        diff = np.abs(np.asarray(have, dtype=np.float64) - want.astype(np.float64))
+        if token_rows:
+            diff = diff[mask.astype(bool)]
+        worst = max(worst, float(diff.max()))
+    return f"wrong results: max abs diff {worst:.3g} > {tolerance:.3g}" if worst > tolerance else None
