@@ -130,3 +130,17 @@ def test_trace_names_the_family_and_task(tvmbert, saved):
     assert meta["family"] == "distilbert" and meta["task"] == "token-classification"
     assert sorted(meta["inputs"]) == ["attention_mask", "input_ids"]
     assert [o["name"] for o in meta["outputs"]] == ["logits"] and meta["outputs"][0]["shape"] == [1, 14, 5]
+
+
+@pytest.mark.parametrize("model, args", [
+    ("distilbert-tiny", ("--padding", "0.25")),
+    ("DistilBertForTokenClassification", ()),
+    ("AlbertForQuestionAnswering", ()),
+])
+def test_bench_checks_every_engine_on_each_family(tvmbert, saved, tmp_path, model, args):
+    """ONNX Runtime is fed exactly the family's inputs; per-token outputs are compared on real tokens."""
+    outcome = tvmbert("bench", saved.get(model, model), "--engines", "torch-eager,torch-sdpa,onnxruntime", *args,
+                      "--repeat", "3", "--min-time", "0", "--warmup", "1", "--log-dir", str(tmp_path), "--json")
+    assert outcome.code == 0, outcome.stderr
+    engines = outcome.json["engines"]
+    assert all("median_ms" in engines[name] for name in ("tvm", "torch-eager", "torch-sdpa", "onnxruntime")), engines
