@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -144,3 +146,31 @@ def test_bench_checks_every_engine_on_each_family(tvmbert, saved, tmp_path, mode
     assert outcome.code == 0, outcome.stderr
     engines = outcome.json["engines"]
     assert all("median_ms" in engines[name] for name in ("tvm", "torch-eager", "torch-sdpa", "onnxruntime")), engines
+
+
+def test_records_of_an_equal_kernel_of_another_model_apply(tvmbert, tuned):
+    """ALBERT's layer norms are bert-tiny's, structurally, but their blocks are named after other
+    Relax variables (lv89_sum, not lv14_sum): the records' traces are renamed, not replayed blind."""
+    built = tvmbert("build", "albert-tiny", "--log-dir", str(tuned), "--json")
+    assert built.code == 0, built.stderr
+    reused = [name for name, where in built.json["schedules"].items() if where == "native"]
+    assert any(name.startswith("layer_norm") for name in reused), built.json["schedules"]
+    verified = tvmbert("verify", "albert-tiny", "--log-dir", str(tuned), "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
+
+
+def test_albert_stores_its_shared_layer_once(tvmbert, tmp_path):
+    """Every layer reads the one shared layer's weights; each read gets its prepacked copy, which
+    build stores (and the runtime holds) once."""
+    import numpy as np
+
+    from tvmbert.ir_io import PARAMS_FILE, SAME_AS, load_params
+
+    built = tvmbert("build", "albert-tiny", "--log-dir", str(tmp_path), "--json")
+    assert built.code == 0, built.stderr
+    params = Path(built.json["artifact"]).parent / PARAMS_FILE
+    with np.load(params) as stored:
+        assert any(SAME_AS in key for key in stored.files)
+    weights = load_params(params)
+    distinct = {id(w): w for w in weights.values()}
+    assert built.json["weight_bytes"] == sum(w.nbytes for w in distinct.values()) < sum(w.nbytes for w in weights.values())

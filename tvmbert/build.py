@@ -48,7 +48,7 @@ def build(job: Job, force: bool = False) -> Artifact:
     }
     with artifacts.writing("build", path, fp, meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
-        save_params(tmp / PARAMS_FILE, params)
+        meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block
     _suggest_adapt(job, meta)
     return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
 

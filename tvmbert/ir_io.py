@@ -28,24 +28,44 @@ def load_module(folder):
 
 
 BFLOAT16_SUFFIX = "__bfloat16"  # npz has no bfloat16: such arrays are stored as their uint16 bits
+# A weight equal to an earlier one is stored as an empty array under NAME + this + the earlier
+# name: ALBERT's one layer is read by every layer, and each read gets its own prepacked copy.
+SAME_AS = "__same_as__"
 
 
-def save_params(path, weights: dict[str, np.ndarray]) -> None:
-    """Ordered as the function's weight parameters; npz keeps the insertion order."""
-    stored = {
-        (f"{name}{BFLOAT16_SUFFIX}" if array.dtype.name == "bfloat16" else name):
-        (array.view(np.uint16) if array.dtype.name == "bfloat16" else array)
-        for name, array in weights.items()
-    }
+def save_params(path, weights: dict[str, np.ndarray]) -> int:
+    """Ordered as the function's weight parameters (npz keeps the insertion order); each
+    distinct array once. Returns the bytes of weights stored."""
+    import hashlib
+
+    first_of: dict[tuple, str] = {}
+    stored = {}
+    for name, array in weights.items():
+        bits = array.view(np.uint16) if array.dtype.name == "bfloat16" else array
+        content = (array.dtype.name, array.shape, hashlib.sha256(np.ascontiguousarray(bits).data).hexdigest())
+        if content in first_of:
+            stored[f"{name}{SAME_AS}{first_of[content]}"] = np.zeros(0, np.uint8)
+            continue
+        first_of[content] = name
+        stored[f"{name}{BFLOAT16_SUFFIX}" if array.dtype.name == "bfloat16" else name] = bits
     with open(path, "wb") as handle:
         np.savez(handle, **stored)
+    return sum(array.nbytes for array in stored.values())
 
 
 def load_params(path) -> dict[str, np.ndarray]:
+    """The weights by name, in order; equal weights are one array, under each of their names."""
     import ml_dtypes
 
+    weights: dict[str, np.ndarray] = {}
     with np.load(path) as data:
-        return {
-            name.removesuffix(BFLOAT16_SUFFIX): data[name].view(ml_dtypes.bfloat16) if name.endswith(BFLOAT16_SUFFIX) else data[name]
-            for name in data.files
-        }
+        for key in data.files:
+            if SAME_AS in key:
+                name, earlier = key.split(SAME_AS)
+                weights[name] = weights[earlier]
+            elif key.endswith(BFLOAT16_SUFFIX):
+                weights[key.removesuffix(BFLOAT16_SUFFIX)] = data[key].view(ml_dtypes.bfloat16)
+            else:
+                weights[key] = data[key]
+    return weights
+

@@ -68,7 +68,12 @@ class CompiledModel:
         self.limits = job.source.input_limits
         self.vm = relax.VirtualMachine(_load_library(built.file(LIBRARY_FILE)), device)
         self.main = self.vm["main"]
-        self.weights = [tvm.runtime.tensor(w, device) for w in load_params(built.file(PARAMS_FILE)).values()]
+        weights = list(load_params(built.file(PARAMS_FILE)).values())
+        on_device = {}  # equal weights (ALBERT's shared layer) are one tensor on the device
+        for weight in weights:
+            if id(weight) not in on_device:
+                on_device[id(weight)] = tvm.runtime.tensor(weight, device)
+        self.weights = [on_device[id(weight)] for weight in weights]
 
     def to_device(self, arrays) -> list:
         """Checked inputs on the device (InputError for any value the model has no row for)."""

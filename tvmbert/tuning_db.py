@@ -10,9 +10,11 @@ import fcntl
 import gzip
 import json
 import os
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 # What ships: per workload, its IR (with its structural hash, checked on load) and its best
@@ -356,16 +358,21 @@ def _database_class():
             return self.memory.has_workload(mod)
 
         def commit_workload(self, mod):
+            """The workload of ``mod`` as the caller names its blocks (an equal one stored from
+            another model may name them otherwise: records are renamed on the way in and out)."""
             if self._index(mod) is None:
                 workload = self.memory.commit_workload(mod)
                 self._append(WORKLOADS_FILE, json.dumps(workload.as_json()))
                 self._remember(mod, self.workload_lines)
                 self.workload_lines += 1
                 return workload
-            return self.memory.commit_workload(mod)
+            stored = self.memory.commit_workload(mod)
+            return stored if block_names(stored.mod) == block_names(mod) else ms.database.Workload(mod)
 
         def commit_tuning_record(self, record) -> None:
-            workload = self.commit_workload(record.workload.mod)
+            self.commit_workload(record.workload.mod)
+            workload = self.memory.commit_workload(record.workload.mod)
+            record = for_module(record, workload.mod, workload) or record  # never lose a measurement
             record_json = _record_json(record)
             digest = workload_key(workload.mod)
             self._append(RECORDS_FILE, json.dumps([self._index(workload.mod), record_json, digest]))
@@ -373,7 +380,10 @@ def _database_class():
             self._commit_once(int(digest, 16), record, record_json)
 
         def get_top_k(self, workload, top_k: int):
-            return self.memory.get_top_k(self.memory.commit_workload(workload.mod), top_k)
+            """The best records, their traces naming blocks as ``workload.mod`` does."""
+            stored = self.memory.commit_workload(workload.mod)
+            renamed = (for_module(record, workload.mod) for record in self.memory.get_top_k(stored, top_k))
+            return [record for record in renamed if record is not None]
 
         def get_all_tuning_records(self):
             return self.memory.get_all_tuning_records()
@@ -436,8 +446,45 @@ def valid_records(database, mod) -> list:
     """A workload's measured records that ran, best first."""
     if not database.has_workload(mod):
         return []
-    return [r for r in database.get_top_k(database.memory.commit_workload(mod), 1 << 30)
+    from tvm.s_tir import meta_schedule as ms
+
+    return [r for r in database.get_top_k(ms.database.Workload(mod), 1 << 30)
             if r.run_secs and float(r.run_secs[0]) < 1e9]
+
+
+@lru_cache(maxsize=4096)
+def block_names(mod) -> tuple[str, ...]:
+    """The blocks of a kernel in program order: two structurally equal kernels have theirs in
+    the same order, under names that may differ. (Cached per module object: a build asks for
+    the same few hundred.)"""
+    return tuple(re.findall(r'T\.sblock\("([^"]+)"\)', mod.script(show_meta=False)))
+
+
+def for_module(record, mod, workload=None):
+    """``record`` with its trace naming blocks as ``mod`` does (None if it then does not apply). MetaSchedule matches a workload by
+    structural equality, which ignores block names, but a trace finds blocks by name; legalized
+    kernels name blocks after Relax variables (layer_norm's ``lv14_sum``), so an equal kernel of
+    another model (or the same model optimized otherwise) would not find them."""
+    from tvm.s_tir import meta_schedule as ms
+
+    theirs, ours = block_names(record.workload.mod), block_names(mod)
+    workload = workload or ms.database.Workload(mod)
+    if theirs == ours:
+        return record if workload is record.workload else ms.database.TuningRecord(
+            record.trace, workload, record.run_secs, record.target, record.args_info)
+    # Blocks a schedule makes are named after the block they come from (rfactor's
+    # ``lv14_sum_rf``, cache stages, blockize's ``_o``): renamed by that prefix, longest first.
+    renames = sorted(((t, o) for t, o in zip(theirs, ours) if t != o), key=lambda pair: -len(pair[0]))
+    as_json = _record_json(record)
+    for kind, _, attrs, _ in as_json[0][0]:
+        if kind == "GetSBlock":
+            old, new = next(((t, o) for t, o in renames if attrs[0] == t or attrs[0].startswith(t + "_")), (None, None))
+            if old is not None:
+                attrs[0] = new + attrs[0][len(old):]
+    try:
+        return ms.database.TuningRecord.from_json(as_json, workload)  # replays the trace: it must fit
+    except Exception:  # noqa: BLE001 - a ScheduleError of any kind: a record that does not fit is not used
+        return None
 
 
 def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
