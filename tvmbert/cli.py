@@ -270,6 +270,20 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
     _emit(as_json, report, _print_bench)
 
 
+@cli.command()
+@_common
+@click.option("-o", "--output", "out_dir", type=click.Path(), help="The package folder (replaced whole if it is one).")
+@_quiet_warnings
+def export(as_json, out_dir, **params):
+    """Build every (batch, seq-len) bucket and write one package that tvmbert.load serves."""
+    from .export import export as run
+
+    batches = _numbers(params["batch"], "--batch", many=True)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+    manifest = run(_job(params, {"export.out_dir": out_dir}, sweep=True), out_dir, batches, seq_lens)
+    _emit(as_json, manifest, _print_export)
+
+
 @cli.command("run")
 @click.argument("config_path", type=click.Path(dir_okay=False))
 @click.option("--model", help="Override the config's model.")
@@ -405,8 +419,23 @@ def _print_bench(report):
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
 
 
+def _print_export(manifest):
+    table = Table(title=f"{manifest['model']['name']} package, {manifest['dtype']}, {manifest['target_key']}")
+    for column in ("bucket", "tasks tuned", "build s", "median ms"):
+        table.add_column(column, justify="left" if column == "bucket" else "right")
+    for b in manifest["buckets"]:
+        table.add_row(f"{b['batch']}x{b['seq_len']}", f"{b['tasks_tuned']}/{b['tasks_total']}",
+                      f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
+                      f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
+    out.print(table)
+    report = manifest["report"]
+    out.print(f"export: {report['path']}: {report['package_bytes'] / 1e6:.1f} MB (weights stored "
+              f"{report['stored_weight_bytes'] / 1e6:.1f} MB for {report['weight_bytes'] / 1e6:.1f} MB of model weights, "
+              f"libraries {report['library_bytes'] / 1e6:.1f} MB) in {report['seconds']} s")
+
+
 def _print_run(results):
-    printers = {"verify": _print_verify, "bench": _print_bench, "build": _print_build, "optimize": _print_ops,
+    printers = {"export": _print_export, "verify": _print_verify, "bench": _print_bench, "build": _print_build, "optimize": _print_ops,
                 "tune": _print_tune}
     for stage, result in results.items():
         printers.get(stage, _print_artifact(stage))(result)

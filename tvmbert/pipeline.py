@@ -6,6 +6,7 @@ from .artifacts import Artifact
 from .bench import bench
 from .build import build
 from .convert import convert
+from .export import export
 from .job import Job
 from .optimize import optimize
 from .trace import trace
@@ -26,6 +27,8 @@ def run_stage(job: Job, stage: str, force: bool = False) -> dict:
         return bench(job)
     if stage == "tune":
         return tune(job).to_json()
+    if stage == "export":
+        return export(job)
     produce = {"trace": trace, "convert": convert, "optimize": optimize, "build": build}[stage]
     return artifact_summary(produce(job, force=force))
 
