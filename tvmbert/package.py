@@ -50,9 +50,9 @@ class ExportedModel:
     """``model(texts)`` or ``model(input_ids, attention_mask=..., ...)``; see ``run`` and ``encode``.
 
     Thread-safe: one lock around the bucket runs (a VM keeps per-call state in registers, and
-    each run already uses every core); padding and trimming run outside it, in parallel. Measured
-    with 4 threads on 2 cores, per-thread VMs took 2.6x as long as the lock: they compete for
-    the cores."""
+    each run already uses every core); padding and trimming run outside it, in parallel. 4 threads
+    on 2 cores (bert-tiny) took 1.5x as long with per-thread VMs instead: they compete for the
+    cores. The cost of the lock: a short call may wait for a long one in flight."""
 
     def __init__(self, path: str | Path, device=None, warn=None):
         import tvm
