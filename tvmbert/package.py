@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,8 +67,8 @@ class ExportedModel:
         self.outputs = self.manifest["outputs"]  # [{name, per_token}]
         self.input_names = tuple(i["name"] for i in self.inputs)
         self.output_names = tuple(o["name"] for o in self.outputs)
-        self.buckets = [Bucket(b["batch"], b["seq_len"], b["library"], tuple(b["weights"]), b.get("cost_ms") or
-                               float(b["batch"] * b["seq_len"])) for b in self.manifest["buckets"]]
+        self.buckets = _monotone([Bucket(b["batch"], b["seq_len"], b["library"], tuple(b["weights"]), b.get("cost_ms") or
+                                         float(b["batch"] * b["seq_len"])) for b in self.manifest["buckets"]])
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq_len = max(b.seq_len for b in self.buckets)
         self._mains = [relax.VirtualMachine(_load_library(self.path / b.library), self.device)["main"] for b in self.buckets]
@@ -297,6 +297,13 @@ def load(path: str | Path, device=None, warn=None) -> ExportedModel:
     """Loads a package `tvmbert export` wrote: checksums verified, built-for-another-machine
     warned about (``warn``: a callable taking the message; default ``warnings.warn``)."""
     return ExportedModel(path, device, warn)
+
+
+def _monotone(buckets: list[Bucket]) -> list[Bucket]:
+    """A bucket costs at least what any bucket it contains costs: a latency measured on a busy
+    machine may say otherwise, and the planner would then pad for nothing."""
+    return [replace(b, cost_ms=max(o.cost_ms for o in buckets if o.batch <= b.batch and o.seq_len <= b.seq_len))
+            for b in buckets]
 
 
 def _read_manifest(path: Path) -> dict:
