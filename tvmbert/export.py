@@ -82,6 +82,7 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
             _time_buckets(tmp, manifest)
         for path in (tmp, *tmp.rglob("*")):  # deployed: readable by all, as an installed package is
             path.chmod(0o755 if path.is_dir() else 0o644)
+    (out / artifacts.STAGE_FILE).chmod(0o644)  # written last, by artifacts.writing
     manifest["report"] = {
         "package_bytes": sum((out / name).stat().st_size for name in manifest["files"]) + (out / MANIFEST_FILE).stat().st_size,
         "weight_bytes": convert_meta["weight_bytes"],
