@@ -26,8 +26,8 @@ def _common(func):
     options = [
         click.argument("model", required=False),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
-        click.option("--batch", help="Batch size of the example inputs (bench: a list, e.g. 1,8)."),
-        click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench: a list)."),
+        click.option("--batch", help="Batch size of the example inputs (bench, export: a list, e.g. 1,8)."),
+        click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench, export: a list)."),
         click.option("--text", help="Example text, for models with a tokenizer."),
         click.option("--dtype", help="float32 (default) or float64."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
