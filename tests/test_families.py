@@ -174,3 +174,11 @@ def test_albert_stores_its_shared_layer_once(tvmbert, tmp_path):
     weights = load_params(params)
     distinct = {id(w): w for w in weights.values()}
     assert built.json["weight_bytes"] == sum(w.nbytes for w in distinct.values()) < sum(w.nbytes for w in weights.values())
+
+
+def test_every_familys_inputs_are_a_prefix_of_berts():
+    """The traced signature (input_ids, attention_mask, token_type_ids=None) names every family's inputs."""
+    from tvmbert.families import BERT_INPUTS
+
+    for family in FAMILIES.values():
+        assert family.inputs == BERT_INPUTS[: len(family.inputs)]

@@ -7,25 +7,41 @@ The typed Python API: build a ``Job`` from a ``JobConfig`` and pass it to a stag
     print(verify(job).max_abs_diff)
 
 Modules import torch and TVM inside the functions that need them, so `tvmbert --help` and
-argument errors answer at once.
+argument errors answer at once, and ``tvmbert.load`` (serving an exported package) needs neither
+torch nor transformers.
 """
 
-from .bench import bench
-from .build import build
-from .config import BenchOptions, JobConfig, TuneOptions, VerifyOptions
-from .config import load as load_config
-from .convert import convert
-from .errors import CheckFailed, InputError, TvmbertError
-from .job import Job
-from .optimize import optimize
-from .pipeline import run
-from .trace import trace
-from .training import add_tvm_dispatch, remove_tvm_dispatch
-from .tune import tune
-from .verify import verify, verify_training
+from .errors import CheckFailed, InputError, PackageError, TvmbertError
+from .package import ExportedModel, load
 
 __all__ = [
-    "BenchOptions", "CheckFailed", "InputError", "Job", "JobConfig", "TuneOptions", "TvmbertError", "VerifyOptions",
-    "add_tvm_dispatch", "bench", "build", "convert", "load_config", "optimize", "remove_tvm_dispatch", "run", "trace",
-    "tune", "verify", "verify_training",
+    "BenchOptions", "CheckFailed", "ExportOptions", "ExportedModel", "InputError", "Job", "JobConfig", "PackageError",
+    "TuneOptions", "TvmbertError", "VerifyOptions", "add_tvm_dispatch", "bench", "build", "convert", "export", "load",
+    "load_config", "optimize", "remove_tvm_dispatch", "run", "trace", "tune", "verify", "verify_training",
 ]
+
+try:
+    from .bench import bench
+    from .build import build
+    from .config import BenchOptions, ExportOptions, JobConfig, TuneOptions, VerifyOptions
+    from .config import load as load_config
+    from .convert import convert
+    from .export import export
+    from .job import Job
+    from .optimize import optimize
+    from .pipeline import run
+    from .trace import trace
+    from .training import add_tvm_dispatch, remove_tvm_dispatch
+    from .tune import tune
+    from .verify import verify, verify_training
+except ModuleNotFoundError as missing:
+    # A deployment with TVM and NumPy only (tokenizers for text): `load` serves a package; the
+    # toolchain needs its own dependencies (yaml, rich, torch, ...). Eager imports, not a lazy
+    # __getattr__: importing the module tvmbert.bench would otherwise shadow the function bench.
+    _missing = missing
+
+    def __getattr__(name: str):
+        if name in __all__:
+            raise ModuleNotFoundError(f"tvmbert.{name} needs the toolchain's dependencies, and {_missing.name} is not "
+                                      "installed: here only tvmbert.load works (pip install tvmbert for the rest)")
+        raise AttributeError(f"module 'tvmbert' has no attribute {name!r}")

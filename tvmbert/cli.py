@@ -28,8 +28,8 @@ def _common(func):
         click.option("--task", help="The head to compile: feature-extraction, text-classification, token-classification, "
                      "question-answering, fill-mask (default: the one config.json's architectures names)."),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
-        click.option("--batch", help="Batch size of the example inputs (bench: a list, e.g. 1,8)."),
-        click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench: a list)."),
+        click.option("--batch", help="Batch size of the example inputs (bench, export: a list, e.g. 1,8)."),
+        click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench, export: a list)."),
         click.option("--text", help="Example text, for models with a tokenizer."),
         click.option("--dtype", help="float32 (default) or float64."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
@@ -243,9 +243,26 @@ def verify(as_json, samples, tolerance, train, **params):
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also plot latency vs sequence length (PNG).")
 @click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Also write a Markdown table (docs).")
 @click.option("--train", is_flag=True, help="Time encoder layer 0 forward + backward (add_tvm_dispatch) against PyTorch.")
+@click.option("--lengths", help="A variable-length workload: A-B (uniform token counts) or a file of texts; the exported "
+              "package (buckets: --seq-len) against engines of any shape.")
+@click.option("--requests", type=int, help="With --lengths: requests of --batch sequences (default 100, or the file's texts).")
 @_quiet_warnings
-def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, **params):
+def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, lengths,
+          requests, **params):
     """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
+    if lengths is not None:
+        from .bench.lengths import bench_lengths
+
+        if train or padding or csv_path or plot_path or markdown_path:
+            raise InputError("--lengths takes none of --train, --padding, --csv, --plot, --markdown")
+        if requests is not None and requests < 1:
+            raise InputError(f"--requests must be >= 1, got {requests}")
+        seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+        _numbers(params["batch"], "--batch")
+        names = tuple(e.strip() for e in engines.split(",") if e.strip()) if engines else None
+        overrides = {"bench.engines": names, "bench.warmup": warmup, "bench.threads": threads}
+        _emit(as_json, bench_lengths(_job(params, overrides, sweep=True), lengths, requests or 0, seq_lens), _print_bench_lengths)
+        return
     from .artifacts import check_output_file, write_bytes, write_text
     from .bench import bench as run
     from .bench import bench_training, plot, to_csv, to_markdown
@@ -270,6 +287,20 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
     if markdown_path:
         write_text(Path(markdown_path), to_markdown(report, "tvmbert " + " ".join(_invocation)))
     _emit(as_json, report, _print_bench)
+
+
+@cli.command()
+@_common
+@click.option("-o", "--output", "out_dir", type=click.Path(), help="The package folder (replaced whole if it is one).")
+@_quiet_warnings
+def export(as_json, out_dir, **params):
+    """Build every (batch, seq-len) bucket and write one package that tvmbert.load serves."""
+    from .export import export as run
+
+    batches = _numbers(params["batch"], "--batch", many=True)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+    manifest = run(_job(params, {"export.out_dir": out_dir}, sweep=True), out_dir, batches, seq_lens)
+    _emit(as_json, manifest, _print_export)
 
 
 @cli.command("run")
@@ -407,8 +438,41 @@ def _print_bench(report):
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
 
 
+def _print_export(manifest):
+    table = Table(title=f"{manifest['model']['name']} package, {manifest['dtype']}, {manifest['target_key']}")
+    for column in ("bucket", "tasks tuned", "build s", "median ms"):
+        table.add_column(column, justify="left" if column == "bucket" else "right")
+    for b in manifest["buckets"]:
+        table.add_row(f"{b['batch']}x{b['seq_len']}", f"{b['tasks_tuned']}/{b['tasks_total']}",
+                      f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
+                      f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
+    out.print(table)
+    report = manifest["report"]
+    out.print(f"export: {report['path']}: {report['package_bytes'] / 1e6:.1f} MB (weights stored "
+              f"{report['stored_weight_bytes'] / 1e6:.1f} MB for {report['weight_bytes'] / 1e6:.1f} MB of model weights, "
+              f"libraries {report['library_bytes'] / 1e6:.1f} MB) in {report['seconds']} s")
+
+
+def _print_bench_lengths(report):
+    env, work = report["environment"], report["workload"]
+    table = Table(title=f"{report['model']}, {work['requests']} requests of {work['batch']}, lengths {work['lengths']} (mean "
+                        f"{work['mean_length']}, max {work['max_length']}), {report['dtype']}, {env['threads']} threads, {env['target']}")
+    for column in ("engine", "seq/s", "p50 ms", "p99 ms", "mean ms", "setup s"):
+        table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
+    for name, stats in report["engines"].items():
+        if "skipped" in stats:
+            table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
+        else:
+            table.add_row(name, f"{stats['throughput']:.1f}", f"{stats['p50_ms']:.3f}", f"{stats['p99_ms']:.3f}",
+                          f"{stats['mean_ms']:.3f}", f"{stats['setup_s']:.1f}")
+    out.print(table)
+    if report["throughput_ratio"]:
+        verdict = "tvm serves more" if report["throughput_ratio"] >= 1 else "tvm serves fewer"
+        out.print(f"tvm throughput / best other's ({report['best_other']}): {report['throughput_ratio']:.2f} ({verdict})")
+
+
 def _print_run(results):
-    printers = {"verify": _print_verify, "bench": _print_bench, "build": _print_build, "optimize": _print_ops,
+    printers = {"export": _print_export, "verify": _print_verify, "bench": _print_bench, "build": _print_build, "optimize": _print_ops,
                 "tune": _print_tune}
     for stage, result in results.items():
         printers.get(stage, _print_artifact(stage))(result)

@@ -65,6 +65,17 @@ class VerifyOptions:
 
 
 @dataclass(frozen=True)
+class ExportOptions:
+    out_dir: str | None = None  # the package folder (`tvmbert export -o`)
+    batches: tuple[int, ...] | None = None  # default: export.DEFAULT_BATCHES
+    seq_lens: tuple[int, ...] | None = None  # default: export.DEFAULT_SEQ_LENS up to the model's max positions
+
+    def validate(self, where: str) -> None:
+        _require(all(b >= 1 for b in self.batches or ()), where, "export.batches", "numbers >= 1")
+        _require(all(s >= 1 for s in self.seq_lens or ()), where, "export.seq_lens", "numbers >= 1")
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Everything a stage needs to know; artifacts are keyed by the parts that change them."""
 
@@ -84,6 +95,7 @@ class JobConfig:
     tune: TuneOptions = field(default_factory=TuneOptions)
     bench: BenchOptions = field(default_factory=BenchOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
+    export: ExportOptions = field(default_factory=ExportOptions)
 
     def validate(self, where: str = "options") -> JobConfig:
         _require(self.batch >= 1, where, "batch", "a number >= 1")
@@ -98,6 +110,9 @@ class JobConfig:
         self.tune.validate(where)
         self.bench.validate(where)
         self.verify.validate(where)
+        self.export.validate(where)
+        _require("export" not in self.stages or self.export.out_dir is not None, where, "export.out_dir",
+                 "given when stages lists export")
         return self
 
     @property
@@ -109,7 +124,7 @@ class JobConfig:
         """CLI flags win over the file; None means the flag was not given."""
         top = {k: v for k, v in overrides.items() if v is not None and "." not in k}
         config = replace(self, **top)
-        for section in ("tune", "bench", "verify"):
+        for section in ("tune", "bench", "verify", "export"):
             nested = {k.split(".", 1)[1]: v for k, v in overrides.items() if v is not None and k.startswith(section + ".")}
             if nested:
                 config = replace(config, **{section: replace(getattr(config, section), **nested)})
@@ -174,7 +189,9 @@ def _coerce(value, hint, where: str, key: str):
             return float(value)
         if option is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        if typing.get_origin(option) is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-    names = " or ".join("a list of names" if typing.get_origin(o) is tuple else getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+        if typing.get_origin(option) is tuple and isinstance(value, list):
+            item = typing.get_args(option)[0]
+            if all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+                return tuple(value)
+    names = " or ".join(("a list of numbers" if typing.get_args(o)[0] is int else "a list of names") if typing.get_origin(o) is tuple else getattr(o, "__name__", str(o)) for o in options if o is not type(None))
     raise InputError(f"{where}: '{key}' must be {names}, got {value!r}")

@@ -39,3 +39,8 @@ class Interrupted(TvmbertError):
     """The user stopped a long stage (Ctrl-C); what it had finished is kept."""
 
     exit_code = 130
+
+
+class PackageError(InputError):
+    """An exported package that cannot be served as it is: a file altered or missing, a format
+    this version does not read, a device this machine lacks."""

@@ -24,7 +24,7 @@ class Family:
 
     config_class: str  # transformers' config class, for presets
     model_prefix: str  # transformers' model classes are this + "Model", + "ForSequenceClassification", ...
-    inputs: tuple[str, ...] = BERT_INPUTS
+    inputs: tuple[str, ...] = BERT_INPUTS  # a prefix of BERT_INPUTS: models.load's signature
     # The list of encoder layers in the base model (``model.base_model``); layer 0 is what
     # ``add_tvm_dispatch``, ``verify --train`` and ``bench --train`` compile. ALBERT's one shared
     # layer is called by every position in the stack.

@@ -188,8 +188,10 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
             super().__init__()
             self.model, self.input_names, self.output_names = model, input_names, output_names
 
-        def forward(self, *inputs):
-            out = self.model(**dict(zip(self.input_names, inputs)))
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            """Named as the compiled model's inputs are (torch.export takes the names from here)."""
+            given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+            out = self.model(**{name: given[name] for name in self.input_names})
             return tuple(out[name] for name in self.output_names)
 
     if source.preset is not None:

