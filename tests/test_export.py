@@ -275,3 +275,28 @@ except tvmbert.InputError as error:
         assert outputs[f"hidden{index}"].shape == expected.last_hidden_state.shape[1:]
         assert np.abs(outputs[f"hidden{index}"] - expected.last_hidden_state[0].numpy()).max() < 1e-4
         assert np.abs(outputs["pooled"][index] - expected.pooler_output[0].numpy()).max() < 1e-4
+
+
+def test_a_distilbert_token_tagger_exports_with_its_two_inputs_and_per_token_logits(tmp_path, workdir):
+    """The package follows the family (no segment ids) and the task (logits with a row per token)."""
+    import torch
+    import transformers
+
+    folder = tmp_path / "tagger"
+    torch.manual_seed(2)
+    config = transformers.DistilBertConfig(vocab_size=300, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                           max_position_embeddings=40, num_labels=4)
+    transformers.DistilBertForTokenClassification(config).save_pretrained(folder)
+    out = tmp_path / "package"
+    export(JobConfig(model=str(folder), workdir=str(workdir)), out, batches=(1,), seq_lens=(8, 16))
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert [i["name"] for i in manifest["inputs"]] == ["input_ids", "attention_mask"]
+    assert [(o["name"], o["per_token"]) for o in manifest["outputs"]] == [("logits", True)]
+    ids, mask, _ = random_inputs(np.random.default_rng(3), 3, 11, vocab=300)
+    got = load(out)(ids, attention_mask=mask)["logits"]
+    reference = models.load(models.resolve(str(folder)))
+    with torch.no_grad():
+        want = reference(torch.from_numpy(ids), torch.from_numpy(mask))[0].numpy()
+    real = mask.astype(bool)
+    assert got.shape == (3, 11, 4) and np.abs(got[real] - want[real]).max() < 1e-4
+    assert not got[~real].any()  # zero after each row's last real token
