@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .errors import InputError
 
@@ -156,6 +157,24 @@ def reduced_precision_matmuls(dtype: str):
     return _call_rewrite_pass("ReducedPrecisionMatmuls", cast)
 
 
+def uses_amx(config) -> bool:
+    """--dtype bfloat16 for a CPU target with AMX-BF16 (Job refuses bfloat16 for CPUs without)."""
+    return config.dtype == "bfloat16" and _target_has_amx(config.target)
+
+
+@lru_cache(maxsize=8)
+def _target_has_amx(target_text: str) -> bool:
+    from . import amx, targets
+
+    return amx.target_has_amx(targets.resolve(target_text))
+
+
+def amx_bf16_matmuls():
+    from .amx import amx_matmuls
+
+    return amx_matmuls()
+
+
 def fast_math():
     """Opt-in approximations: GELU as its tanh form, and TVM's fast exp/erf/tanh/softmax.
 
@@ -258,6 +277,9 @@ PASSES = (
     GraphPass("mixed-precision", lambda t, dtype: [t.ToMixedPrecision(out_dtype="float32") if dtype == "float16"
                                                    else reduced_precision_matmuls(dtype)],
               added_by=lambda config: config.mixed_precision),
+    # Added for --dtype bfloat16 on CPUs with AMX-BF16: weight matmuls call our AMX kernel
+    # (tvmbert/amx.py), their weights packed in its tile layout by bind-params.
+    GraphPass("amx-bf16", lambda t, dtype: [amx_bf16_matmuls()], added_by=lambda config: uses_amx(config)),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while
     # the weights stay in a separate file instead of inside the library.

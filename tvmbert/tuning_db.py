@@ -99,8 +99,14 @@ def mark_layout_free_weights(module):
 
     relax.analysis.post_order_visit(main.body, visit)
     return tvm.IRModule({gv: func.with_attr(LAYOUT_FREE, sorted(positions[gv]))
-                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) and _reduces(func) else func
+                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) and not _hand_written(func)
+                         and _reduces(func) else func
                          for gv, func in module.functions_items()}, attrs=module.attrs)
+
+
+def _hand_written(func) -> bool:
+    """A kernel written scheduled (the AMX one): its weight layout is its own already."""
+    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
 
 
 def _reduces(func) -> bool:
