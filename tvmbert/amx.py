@@ -66,10 +66,11 @@ def fits(m: int, n: int, k: int) -> bool:
     return m >= 1 and n % TILE == 0 and k % TILE == 0 and n > 0 and k > 0
 
 
-def kernel(m: int, n: int, k: int):
+def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None):
     """The AMX PrimFunc for ``Y[m, n] = X[m, k] @ W[k, n]`` (m, n, k multiples of 32), W packed.
 
-    Parallel over column blocks of 32; each block runs over all row blocks, keeping a 32 x 32 fp32
+    With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead
+    of m: the kernels around it see no reshape. Parallel over column blocks of 32; each block runs over all row blocks, keeping a 32 x 32 fp32
     result in four accumulator tiles (tmm0-3) while A (tmm4-5) and B (tmm6-7) tiles stream along K.
     """
     import tvm
@@ -78,19 +79,24 @@ def kernel(m: int, n: int, k: int):
     assert m % TILE == 0 and n % TILE == 0 and k % TILE == 0, (m, n, k)
     lda, ldc = k * 2, n * 4  # row strides in bytes: X in bf16, Y in fp32
     row_blocks, col_blocks, k_blocks = m // TILE, n // TILE, k // TILE
+    lead = tuple(lead) if lead else (m,)
+
+    def whole(buffer):
+        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     def intrin(name, *args):
         return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)
 
     @T.prim_func(s_tir=True)
-    def amx_matmul(x: T.Buffer((m, k), "bfloat16"), wp: T.Buffer((n // 16, k // 2, 16, 2), "bfloat16"),
-                   y: T.Buffer((m, n), "float32")):
+    def amx_matmul(x: T.Buffer((*lead, k), "bfloat16"), wp: T.Buffer((n // 16, k // 2, 16, 2), "bfloat16"),
+                   y: T.Buffer((*lead, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("amx_tiles"):  # and a block under it
-                T.reads(x[0:m, 0:k], wp[0:n // 16, 0:k // 2, 0:16, 0:2])
-                T.writes(y[0:m, 0:n])
+                T.reads(whole(x), whole(wp))
+                T.writes(whole(y))
                 xu = T.decl_buffer((m, k), "uint16", data=x.data)
+                yf = T.decl_buffer((m, n), "float32", data=y.data)
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
                 for nb in T.parallel(col_blocks):
                     # Tile configuration: palette 1, 8 tiles of 16 rows x 64 bytes.
@@ -116,10 +122,10 @@ def kernel(m: int, n: int, k: int):
                             T.evaluate(intrin("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
                             T.evaluate(intrin("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
                             T.evaluate(intrin("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
-                        T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(y[mb * 32, nb * 32]), T.int64(ldc)))
-                        T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(y[mb * 32, nb * 32 + 16]), T.int64(ldc)))
-                        T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(y[mb * 32 + 16, nb * 32]), T.int64(ldc)))
-                        T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(y[mb * 32 + 16, nb * 32 + 16]), T.int64(ldc)))
+                        T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(yf[mb * 32, nb * 32]), T.int64(ldc)))
+                        T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(yf[mb * 32, nb * 32 + 16]), T.int64(ldc)))
+                        T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(yf[mb * 32 + 16, nb * 32]), T.int64(ldc)))
+                        T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(yf[mb * 32 + 16, nb * 32 + 16]), T.int64(ldc)))
                     T.evaluate(intrin("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
@@ -161,17 +167,32 @@ def amx_matmuls():
                     if used and all(var in self.weights for var in used):
                         self.weights.add(binding.var)
 
-        def kernel_var(self, m, n, k):
-            if (m, n, k) not in self.kernels:
-                name = f"amx_bf16_matmul_{m}x{n}x{k}"
-                self.kernels[(m, n, k)] = self.builder_.add_func(kernel(m, n, k).without_attr("global_symbol"), name)
-            return self.kernels[(m, n, k)]
+        def kernel_var(self, m, n, k, lead=None):
+            key = (*(lead or (m,)), n, k)
+            if key not in self.kernels:
+                name = "amx_bf16_matmul_" + "x".join(str(d) for d in key)
+                self.kernels[key] = self.builder_.add_func(kernel(m, n, k, lead).without_attr("global_symbol"), name)
+            return self.kernels[key]
+
+        def in_float32(self, call):
+            """A matmul of two activations (attention's) the kernel does not take: back to fp32
+            (TVM's bf16 loop nests convert every element in the inner loop, slower than fp32)."""
+            sources = []
+            for arg in call.args:
+                bound = self.lookup_binding(arg) if isinstance(arg, relax.Var) else None
+                if not (isinstance(bound, relax.Call) and getattr(bound.op, "name", None) == "relax.astype"
+                        and bound.args[0].ty.dtype == "float32"):
+                    return call
+                sources.append(bound.args[0])
+            return relax.op.matmul(*sources, out_dtype="float32")
 
         def visit_call_(self, call):
             call = super().visit_call_(call)
             if getattr(call.op, "name", None) != "relax.matmul" or len(call.args) != 2:
                 return call
             lhs, rhs = call.args
+            if rhs not in self.weights:
+                return self.in_float32(call)
             shapes = [getattr(arg.ty, "shape", None) for arg in (lhs, rhs)]
             shapes = [None if s is None else list(s) for s in shapes]
             if (rhs not in self.weights or str(call.attrs.out_dtype) != "float32"
@@ -187,16 +208,15 @@ def amx_matmuls():
             if int(shapes[0][-1]) != k or not fits(m, n, k):
                 return call
             emit = self.builder_.emit
-            padded = -(-m // TILE) * TILE
-            x = emit(relax.op.reshape(lhs, (m, k)))
-            if padded != m:
-                x = emit(relax.op.nn.pad(x, [0, padded - m, 0, 0]))
             packed = emit(pack_weight(rhs))
             self.weights.add(packed)
-            y = emit(relax.call_tir(self.kernel_var(padded, n, k), [x, packed],
-                                    relax.TensorType((padded, n), "float32")))
-            if padded != m:
-                y = emit(relax.op.strided_slice(y, axes=[0], begin=[0], end=[m]))
+            if m % TILE == 0:  # X and Y as they are: the kernels around see no reshape
+                return relax.call_tir(self.kernel_var(m, n, k, tuple(lead)), [lhs, packed],
+                                      relax.TensorType((*lead, n), "float32"))
+            padded = -(-m // TILE) * TILE
+            x = emit(relax.op.nn.pad(emit(relax.op.reshape(lhs, (m, k))), [0, padded - m, 0, 0]))
+            y = emit(relax.call_tir(self.kernel_var(padded, n, k), [x, packed], relax.TensorType((padded, n), "float32")))
+            y = emit(relax.op.strided_slice(y, axes=[0], begin=[0], end=[m]))
             return relax.op.reshape(y, (*lead, n))
 
     @tvm.transform.module_pass(opt_level=0, name="AmxBf16Matmuls")
