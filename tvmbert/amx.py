@@ -66,7 +66,7 @@ def fits(m: int, n: int, k: int) -> bool:
     return m >= 1 and n % TILE == 0 and k % TILE == 0 and n > 0 and k > 0
 
 
-def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None):
+def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, row_chunk_bytes: int = 1 << 20):
     """The AMX PrimFunc for ``Y[m, n] = X[m, k] @ W[k, n]`` (m, n, k multiples of 32), W packed.
 
     With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead
@@ -80,6 +80,10 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None):
     lda, ldc = k * 2, n * 4  # row strides in bytes: X in bf16, Y in fp32
     row_blocks, col_blocks, k_blocks = m // TILE, n // TILE, k // TILE
     lead = tuple(lead) if lead else (m,)
+    # Rows in chunks whose X (bf16) fits a core's L2 (SPR: 2 MiB): all column blocks of a chunk,
+    # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
+    chunk = max((d for d in range(1, row_blocks + 1) if row_blocks % d == 0 and d * TILE * k * 2 <= row_chunk_bytes),
+                default=1)
 
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
@@ -98,35 +102,37 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None):
                 xu = T.decl_buffer((m, k), "uint16", data=x.data)
                 yf = T.decl_buffer((m, n), "float32", data=y.data)
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
-                for nb in T.parallel(col_blocks):
-                    # Tile configuration: palette 1, 8 tiles of 16 rows x 64 bytes.
-                    cfg = T.alloc_buffer((64,), "uint8", scope="local")
-                    for b in range(64):
-                        cfg[b] = T.uint8(0)
-                    cfg[0] = T.uint8(1)
-                    for t in range(8):
-                        cfg[16 + 2 * t] = T.uint8(64)
-                        cfg[48 + t] = T.uint8(16)
-                    T.evaluate(intrin("ldtilecfg", T.address_of(cfg[0])))
-                    for mb in range(row_blocks):
-                        T.evaluate(intrin("tilezero", T.int8(0)))
-                        T.evaluate(intrin("tilezero", T.int8(1)))
-                        T.evaluate(intrin("tilezero", T.int8(2)))
-                        T.evaluate(intrin("tilezero", T.int8(3)))
-                        for kb in range(k_blocks):
-                            T.evaluate(intrin("tileloadd64", T.int8(4), T.address_of(xu[mb * 32, kb * 32]), T.int64(lda)))
-                            T.evaluate(intrin("tileloadd64", T.int8(5), T.address_of(xu[mb * 32 + 16, kb * 32]), T.int64(lda)))
-                            T.evaluate(intrin("tileloadd64", T.int8(6), T.address_of(wu[nb * 2, kb * 16, 0]), T.int64(64)))
-                            T.evaluate(intrin("tileloadd64", T.int8(7), T.address_of(wu[nb * 2 + 1, kb * 16, 0]), T.int64(64)))
-                            T.evaluate(intrin("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
-                            T.evaluate(intrin("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
-                            T.evaluate(intrin("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
-                            T.evaluate(intrin("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
-                        T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(yf[mb * 32, nb * 32]), T.int64(ldc)))
-                        T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(yf[mb * 32, nb * 32 + 16]), T.int64(ldc)))
-                        T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(yf[mb * 32 + 16, nb * 32]), T.int64(ldc)))
-                        T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(yf[mb * 32 + 16, nb * 32 + 16]), T.int64(ldc)))
-                    T.evaluate(intrin("tilerelease"))
+                for mc in range(row_blocks // chunk):
+                    for nb in T.parallel(col_blocks):
+                        # Tile configuration: palette 1, 8 tiles of 16 rows x 64 bytes.
+                        cfg = T.alloc_buffer((64,), "uint8", scope="local")
+                        for b in range(64):
+                            cfg[b] = T.uint8(0)
+                        cfg[0] = T.uint8(1)
+                        for t in range(8):
+                            cfg[16 + 2 * t] = T.uint8(64)
+                            cfg[48 + t] = T.uint8(16)
+                        T.evaluate(intrin("ldtilecfg", T.address_of(cfg[0])))
+                        for mi in range(chunk):
+                            row = (mc * chunk + mi) * 32
+                            T.evaluate(intrin("tilezero", T.int8(0)))
+                            T.evaluate(intrin("tilezero", T.int8(1)))
+                            T.evaluate(intrin("tilezero", T.int8(2)))
+                            T.evaluate(intrin("tilezero", T.int8(3)))
+                            for kb in range(k_blocks):
+                                T.evaluate(intrin("tileloadd64", T.int8(4), T.address_of(xu[row, kb * 32]), T.int64(lda)))
+                                T.evaluate(intrin("tileloadd64", T.int8(5), T.address_of(xu[row + 16, kb * 32]), T.int64(lda)))
+                                T.evaluate(intrin("tileloadd64", T.int8(6), T.address_of(wu[nb * 2, kb * 16, 0]), T.int64(64)))
+                                T.evaluate(intrin("tileloadd64", T.int8(7), T.address_of(wu[nb * 2 + 1, kb * 16, 0]), T.int64(64)))
+                                T.evaluate(intrin("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
+                                T.evaluate(intrin("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
+                                T.evaluate(intrin("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
+                                T.evaluate(intrin("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
+                            T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(yf[row, nb * 32]), T.int64(ldc)))
+                            T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(yf[row, nb * 32 + 16]), T.int64(ldc)))
+                            T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(yf[row + 16, nb * 32]), T.int64(ldc)))
+                            T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(yf[row + 16, nb * 32 + 16]), T.int64(ldc)))
+                        T.evaluate(intrin("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
     return amx_matmul

@@ -85,7 +85,8 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
     described = {}
     for name in engines:
         if name == "tvm":
-            described[name] = dtype if dtype not in ("float16", "bfloat16") else f"{dtype} matmuls, fp32 accumulation and the rest"
+            described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
+                               "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32"}.get(dtype, dtype)
         elif name.startswith("torch"):
             peer = peer_dtype(dtype)
             described[name] = f"{peer} (model cast to {peer})" if peer != torch_dtype(dtype) else peer
