@@ -46,6 +46,7 @@ def test_bf16_runs_its_matmuls_on_amx(tvmbert, workdir):
     # Every weight matmul of a layer (QKV, attention output, FFN up and down; 1 x 14 padded to
     # 32 rows) and the pooler, and the instructions are in the library.
     assert len(meta["amx_kernels"]) == 4 and meta["amx_instructions"] > 0
+    assert not any(name.startswith("amx_") for name in meta["schedules"])  # no task: nothing to tune
     shapes = [a.shape for a in load_params(stage.parent / "params.npz").values() if a.dtype.name == "bfloat16"]
     assert (384 // 16, 128 // 2, 16, 2) in shapes  # the QKV weight, packed in AMX's layout at build time
 
@@ -56,3 +57,14 @@ def test_bf16_is_refused_for_a_cpu_without_amx(tvmbert):
     assert "error: --dtype bfloat16 needs a CPU with AMX-BF16" in outcome.stderr
     assert "llvm-skylake-avx512" in outcome.stderr and "--dtype float32" in outcome.stderr
     assert "Traceback" not in outcome.stderr
+
+
+@needs_amx
+def test_bf16_matmuls_the_kernel_does_not_fit_keep_their_loop_nest(tvmbert, workdir):
+    # A 2-label classifier (N = 2, not a multiple of 32) keeps the bf16 loop nest; the rest runs on AMX.
+    outcome = tvmbert("verify", "bert-tiny", "--task", "text-classification", "--dtype", "bfloat16", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-2
+    (stage,) = workdir.glob("bert-tiny-text-classification/b1-s14-bfloat16/llvm-*/build/stage.json")
+    meta = json.loads(stage.read_text())
+    assert len(meta.get("meta", meta)["amx_kernels"]) == 4

@@ -136,13 +136,16 @@ def without_marks(module, names: set[str]):
 
 
 def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
-    """The kernels the ``entries`` call (main: inference), with their call counts."""
+    """The kernels the ``entries`` call (main: inference), with their call counts; hand-written
+    kernels (the AMX one) are no task: nothing to tune, no schedule to find."""
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 
     tasks = []
     for extracted in ms.relax_integration.extract_tasks(entry_module(module, *entries), target.tvm_target()):
         workload = extracted.dispatched[0]
+        if any(_hand_written(func) for func in workload.functions.values()):
+            continue
         try:
             flops = float(estimate_tir_flops(workload))
         except Exception:  # an analysis that cannot read a kernel should not stop the stage
