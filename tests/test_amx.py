@@ -68,3 +68,16 @@ def test_bf16_matmuls_the_kernel_does_not_fit_keep_their_loop_nest(tvmbert, work
     (stage,) = workdir.glob("bert-tiny-text-classification/b1-s14-bfloat16/llvm-*/build/stage.json")
     meta = json.loads(stage.read_text())
     assert len(meta.get("meta", meta)["amx_kernels"]) == 4
+
+
+@needs_amx
+def test_bench_in_bf16_runs_the_pytorch_peers_in_bf16(tvmbert):
+    outcome = tvmbert("bench", "bert-tiny", "--dtype", "bfloat16", "--engines", "tvm,torch-eager,onnxruntime",
+                      "--repeat", "3", "--min-time", "0", "--warmup", "1", "--json")
+    assert outcome.code == 0, outcome.stderr
+    report = outcome.json
+    # Every engine checked against fp32 PyTorch eager and timed (none reported wrong).
+    assert all("median_ms" in stats for stats in report["engines"].values()), report["engines"]
+    assert report["engine_dtypes"]["torch-eager"].startswith("bfloat16")
+    assert report["engine_dtypes"]["onnxruntime"] == "float32"
+    assert "AMX" in report["engine_dtypes"]["tvm"]
