@@ -78,3 +78,20 @@ def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, 
         time.sleep(0.5)
     process.kill()
     raise AssertionError(f"tune measured fewer than {records} records in 300 s")
+
+
+def _host_has_amx() -> bool:
+    from tvmbert import amx, targets
+
+    if not amx.target_has_amx(targets.resolve("llvm")):
+        return False
+    try:
+        amx.request_permission()
+    except OSError:
+        return False
+    return True
+
+
+HOST_AMX = _host_has_amx()  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
+needs_amx = pytest.mark.skipif(not HOST_AMX, reason="this CPU has no AMX-BF16 (or the kernel does not grant it): "
+                                                    "--dtype bfloat16 is refused here")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_amx
 from test_errors import assert_one_line_error
 
 from tvmbert import InputError, JobConfig, PackageError, load, models
@@ -300,3 +301,25 @@ def test_a_distilbert_token_tagger_exports_with_its_two_inputs_and_per_token_log
     real = mask.astype(bool)
     assert got.shape == (3, 11, 4) and np.abs(got[real] - want[real]).max() < 1e-4
     assert not got[~real].any()  # zero after each row's last real token
+
+
+@needs_amx
+def test_a_bf16_package_on_amx_runs_where_torch_cannot_be_imported(tmp_path, workdir):
+    """The loader asks the OS for AMX's tile state before the first AMX instruction (else SIGILL)."""
+    import torch
+
+    out = tmp_path / "bf16"
+    manifest = export(JobConfig(model="bert-tiny", dtype="bfloat16", workdir=str(workdir)), out, batches=(1,), seq_lens=(16, 32))
+    assert manifest["amx_kernels"] > 0
+    ids, mask, segments = random_inputs(np.random.default_rng(5), 2, 20)
+    np.savez(tmp_path / "inputs.npz", ids, mask, segments)
+    run_without_torch("""
+import numpy as np, tvmbert
+ids, mask, segments = (np.load(sys.argv[2])[f"arr_{i}"] for i in range(3))
+np.save(sys.argv[3], tvmbert.load(sys.argv[1])(ids, attention_mask=mask, token_type_ids=segments)["last_hidden_state"])
+""", str(out), str(tmp_path / "inputs.npz"), str(tmp_path / "hidden.npy"))
+    reference = models.load(models.resolve("bert-tiny"))
+    with torch.no_grad():
+        want = reference(*(torch.from_numpy(a) for a in (ids, mask, segments)))[0].numpy()
+    real = mask.astype(bool)
+    assert np.abs(np.load(tmp_path / "hidden.npy")[real] - want[real]).max() < 5e-2  # bf16 against fp32 PyTorch

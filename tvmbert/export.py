@@ -166,6 +166,8 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
         "weights_file": WEIGHTS_FILE,
         "weights": {key: {"dtype": a.dtype.name, "shape": list(a.shape)} for key, a in weights.items()},
         "tokenizer": tokenizer,
+        # The loader asks the OS for AMX's tile state before loading such libraries (bf16 on AMX).
+        "amx_kernels": sum(len(artifact.meta.get("amx_kernels") or ()) for _, artifact, *_ in built),
         "versions": {**trace_meta.get("versions", {}), "numpy": np.__version__, "tvmbert": _version(),
                      "python": platform.python_version()},
     }

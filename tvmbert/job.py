@@ -38,6 +38,11 @@ class Job:
         self.config.validate()
         self.source = models.resolve(self.config.model, self.config.seed, self.config.task)
         self.target = targets.resolve(self.config.target)
+        if self.config.dtype == "bfloat16" and self.target.kind == "llvm":
+            from . import amx
+
+            if not amx.target_has_amx(self.target):
+                raise InputError(amx.no_amx_message(self.target))
         if self.config.seq_len is not None:
             models.check_seq_len(self.source, self.config.seq_len)
         _check_folder(Path(self.config.workdir), "--workdir")

@@ -57,7 +57,7 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
 
     module = load_module(converted.path)
     ops_before = count_ops(module)
-    if job.config.dtype not in ("float32", "float16"):
+    if job.config.dtype == "float64":
         # TVM legalizes layer_norm in float32/float16 only (FoldConstant legalizes too, to try):
         # in other dtypes it becomes mean/variance/sqrt before any pass sees it.
         from tvm import relax

@@ -62,6 +62,13 @@ class ExportedModel:
         self.manifest = _read_manifest(self.path)
         _verify_files(self.path, self.manifest["files"])
         self._check_machine(warn or (lambda message: warnings.warn(message, stacklevel=3)))
+        if self.manifest.get("amx_kernels"):  # before loading: the first AMX instruction needs it
+            from .amx import request_permission
+
+            try:
+                request_permission()
+            except OSError as exc:
+                raise PackageError(f"{self.path}: its kernels run on AMX-BF16: {exc}") from None
         self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[self.manifest["target"]["kind"]](0)
         self.inputs = self.manifest["inputs"]  # [{name, limit, pad}], in the order main takes them
         self.outputs = self.manifest["outputs"]  # [{name, per_token}]

@@ -62,6 +62,13 @@ class CompiledModel:
         import tvm
         from tvm import relax
 
+        if built.meta.get("amx_kernels"):  # before loading: the first AMX instruction needs it
+            from .amx import request_permission
+
+            try:
+                request_permission()
+            except OSError as exc:
+                raise InputError(str(exc)) from None
         device = job.target.device()
         self.device = device
         self.shape = job.inputs.shape

@@ -99,8 +99,14 @@ def mark_layout_free_weights(module):
 
     relax.analysis.post_order_visit(main.body, visit)
     return tvm.IRModule({gv: func.with_attr(LAYOUT_FREE, sorted(positions[gv]))
-                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) and _reduces(func) else func
+                         if isinstance(func, tirx.PrimFunc) and positions.get(gv) and not _hand_written(func)
+                         and _reduces(func) else func
                          for gv, func in module.functions_items()}, attrs=module.attrs)
+
+
+def _hand_written(func) -> bool:
+    """A kernel written scheduled (the AMX one): its weight layout is its own already."""
+    return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
 
 
 def _reduces(func) -> bool:
@@ -130,13 +136,16 @@ def without_marks(module, names: set[str]):
 
 
 def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
-    """The kernels the ``entries`` call (main: inference), with their call counts."""
+    """The kernels the ``entries`` call (main: inference), with their call counts; hand-written
+    kernels (the AMX one) are no task: nothing to tune, no schedule to find."""
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 
     tasks = []
     for extracted in ms.relax_integration.extract_tasks(entry_module(module, *entries), target.tvm_target()):
         workload = extracted.dispatched[0]
+        if any(_hand_written(func) for func in workload.functions.values()):
+            continue
         try:
             flops = float(estimate_tir_flops(workload))
         except Exception:  # an analysis that cannot read a kernel should not stop the stage

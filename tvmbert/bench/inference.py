@@ -8,11 +8,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..build import build
+from ..config import torch_dtype
 from ..errors import InputError, ToolchainError
 from ..families import TASKS
 from ..job import Job
 from ..targets import cpu_count
-from .engines import CHECK_TOLERANCE, ENGINES, _available, _check, _make
+from .engines import ENGINES, _available, _check, _make, check_tolerance, peer_dtype, reference
 from .timing import _ratios, _summary, environment, measure, set_threads
 
 
@@ -57,11 +58,14 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
         if reason is not None:
             report[name] = {"skipped": reason}
             job.say(f"bench: {name} skipped: {reason}")
-    eager = next((e for e in engines if e.name == "torch-eager"), None) or _make("torch-eager", job, inputs, threads)
-    reference = [np.asarray(o) for o in eager.outputs()]
+    eager = next((e for e in engines if e.name == "torch-eager"), None)
+    if eager is not None and peer_dtype(job.config.dtype) == torch_dtype(job.config.dtype):
+        expected = [np.asarray(o) for o in eager.outputs()]
+    else:  # no eager engine, or it runs in bf16: the fp32 reference apart
+        expected = reference(job, inputs)
     timed = []
     for engine in engines:
-        problem = _check(engine, reference, mask, per_token, CHECK_TOLERANCE[job.config.dtype])
+        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype))
         if problem:
             report[engine.name] = {"skipped": problem}
             job.say(f"bench: {engine.name} not timed: {problem}")
@@ -74,6 +78,21 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
         report[engine.name] = _summary(engine, shape.batch)
     ordered = {name: report[name] for name in engine_names if name in report}
     return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered)}
+
+
+def engine_dtypes(dtype: str, engines) -> dict[str, str]:
+    """What each engine computes in, as the report says it."""
+    described = {}
+    for name in engines:
+        if name == "tvm":
+            described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
+                               "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32"}.get(dtype, dtype)
+        elif name.startswith("torch"):
+            peer = peer_dtype(dtype)
+            described[name] = f"{peer} (model cast to {peer})" if peer != torch_dtype(dtype) else peer
+        else:
+            described[name] = torch_dtype(dtype)
+    return described
 
 
 def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (), paddings: tuple[float, ...] = (0.0,)) -> dict:
@@ -93,7 +112,8 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
             for padding in paddings:
                 actual = Shape(*shaped.inputs.shape, padding)
                 results.append(bench_shape(shaped, actual, engines, threads))
-    report = {"model": job.source.name, "dtype": job.config.dtype, "environment": environment(job, threads), "results": results}
+    report = {"model": job.source.name, "dtype": job.config.dtype, "environment": environment(job, threads),
+              "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup")})
         report["shape"] = {"batch": results[0]["batch"], "seq_len": results[0]["seq_len"], "padding": results[0]["padding"]}
