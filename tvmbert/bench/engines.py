@@ -100,22 +100,27 @@ def torch_compile(job: Job, inputs, threads: int) -> Engine:
     return _torch("torch-compile", job, inputs, "sdpa", compiled=True)
 
 
-def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
+def onnx_session(job: Job, path, sample, threads: int, dynamic_shapes=None):
+    """An ONNX Runtime session on the job's model, exported to ``path`` once (atomically) from
+    ``sample`` inputs (torch tensors); ``dynamic_shapes`` as torch.onnx.export takes them."""
     import onnxruntime as ort
     import torch
 
-    path = job.stage_dir("build").parent / "onnx" / "model.onnx"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
         tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
-        torch.onnx.export(model, tuple(inputs), str(tmp), input_names=list(job.source.inputs), output_names=list(model.output_names),
-                          dynamo=True, optimize=True, verbose=False)
+        torch.onnx.export(model, tuple(sample), str(tmp), input_names=list(job.source.inputs), output_names=list(model.output_names),
+                          dynamic_shapes=dynamic_shapes, dynamo=True, optimize=True, verbose=False)
         tmp.replace(path)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
+    session = onnx_session(job, job.stage_dir("build").parent / "onnx" / "model.onnx", inputs, threads)
     feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
     return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
 

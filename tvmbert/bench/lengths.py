@@ -10,7 +10,6 @@ per engine, the engines in turn (rotating who goes first), after a warm-up.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from ..families import TASKS
 from ..job import Job
 from ..package import load
 from ..targets import cpu_count
-from .engines import CHECK_TOLERANCE
+from .engines import CHECK_TOLERANCE, onnx_session
 from .timing import environment, set_threads
 
 ENGINES = ("tvm", "torch-eager", "torch-sdpa", "onnxruntime")
@@ -105,23 +104,12 @@ def _package(job: Job, longest: int, batch: int, seq_lens: tuple[int, ...]):
 
 def _onnx_dynamic(job: Job, sample, threads: int):
     """ONNX Runtime on the model exported once with dynamic batch and sequence axes."""
-    import onnxruntime as ort
     import torch
 
     path = Path(job.config.workdir) / job.source.key / f"onnx-dynamic-{torch_dtype(job.config.dtype)}" / "model.onnx"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
-        axes = {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("seq", min=1, max=job.source.max_positions)}
-        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
-        torch.onnx.export(model, tuple(torch.from_numpy(a) for a in sample), str(tmp), input_names=list(job.source.inputs),
-                          output_names=list(model.output_names), dynamic_shapes=tuple(axes for _ in job.source.inputs),
-                          dynamo=True, optimize=True, verbose=False)
-        tmp.replace(path)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    axes = {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("seq", min=1, max=job.source.max_positions)}
+    session = onnx_session(job, path, [torch.from_numpy(a) for a in sample], threads,
+                           dynamic_shapes=tuple(axes for _ in job.source.inputs))
     return lambda arrays: session.run(None, dict(zip(job.source.inputs, arrays)))
 
 
