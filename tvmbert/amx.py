@@ -150,12 +150,13 @@ def pack_weight(weight):
 
 def amx_matmuls():
     """The module pass: ``matmul(x_bf16, W_bf16, out_dtype=float32)`` with W a weight (a parameter
-    after ``num_input``, or a transpose/cast of one) becomes a call of the AMX kernel on x reshaped
-    to 2-D (padded to a multiple of 32 rows) and W packed; the result is sliced and reshaped back.
-    Matmuls the kernel does not fit (N or K not a multiple of 32, dynamic shapes, two activations)
-    are left as they are."""
-    import tvm
+    after ``num_input``, or a transpose/cast of one) becomes a call of the AMX kernel on x (padded
+    to a multiple of 32 rows where it is not) and W packed. Matmuls the kernel does not fit (N or K
+    not a multiple of 32, dynamic shapes) are left as they are; matmuls of two activations go back
+    to fp32."""
     from tvm import relax
+
+    from .kernel_calls import call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -165,20 +166,15 @@ def amx_matmuls():
             self.weights = set()
 
         def start(self, function):
-            num_input = int(function.attrs["num_input"])
-            self.weights = set(function.params[num_input:])
-            for block in function.body.blocks:  # what is computed from weights alone is a weight too
-                for binding in block.bindings:
-                    used = relax.analysis.free_vars(binding.value)
-                    if used and all(var in self.weights for var in used):
-                        self.weights.add(binding.var)
+            self.weights = weights_of(function)
 
-        def kernel_var(self, m, n, k, lead=None):
-            key = (*(lead or (m,)), n, k)
-            if key not in self.kernels:
-                name = "amx_bf16_matmul_" + "x".join(str(d) for d in key)
-                self.kernels[key] = self.builder_.add_func(kernel(m, n, k, lead).without_attr("global_symbol"), name)
-            return self.kernels[key]
+        def kernel_for(self, n, k):
+            def make(m, lead):
+                if (*lead, n, k) not in self.kernels:
+                    name = "amx_bf16_matmul_" + "x".join(str(d) for d in (*lead, n, k))
+                    self.kernels[(*lead, n, k)] = self.builder_.add_func(kernel(m, n, k, lead).without_attr("global_symbol"), name)
+                return self.kernels[(*lead, n, k)]
+            return make
 
         def in_float32(self, call):
             """A matmul of two activations (attention's) the kernel does not take: back to fp32
@@ -199,50 +195,16 @@ def amx_matmuls():
             lhs, rhs = call.args
             if rhs not in self.weights:
                 return self.in_float32(call)
-            shapes = [getattr(arg.ty, "shape", None) for arg in (lhs, rhs)]
-            shapes = [None if s is None else list(s) for s in shapes]
-            if (rhs not in self.weights or str(call.attrs.out_dtype) != "float32"
-                    or any(arg.ty.dtype != "bfloat16" for arg in (lhs, rhs))
-                    or any(s is None or not all(isinstance(d, tvm.tirx.IntImm) for d in s) for s in shapes)
-                    or len(shapes[1]) != 2 or len(shapes[0]) < 1):
+            sizes = weight_matmul_sizes(call, self.weights)
+            if (sizes is None or str(call.attrs.out_dtype) != "float32"
+                    or any(arg.ty.dtype != "bfloat16" for arg in (lhs, rhs)) or not fits(row_count(sizes[0]), *sizes[1:])):
                 return call
-            lead = [int(d) for d in shapes[0][:-1]]
-            k, n = (int(d) for d in shapes[1])
-            m = 1
-            for d in lead:
-                m *= d
-            if int(shapes[0][-1]) != k or not fits(m, n, k):
-                return call
-            emit = self.builder_.emit
-            packed = emit(pack_weight(rhs))
+            lead, n, k = sizes
+            packed = self.builder_.emit(pack_weight(rhs))
             self.weights.add(packed)
-            if m % TILE == 0:  # X and Y as they are: the kernels around see no reshape
-                return relax.call_tir(self.kernel_var(m, n, k, tuple(lead)), [lhs, packed],
-                                      relax.TensorType((*lead, n), "float32"))
-            padded = -(-m // TILE) * TILE
-            x = emit(relax.op.nn.pad(emit(relax.op.reshape(lhs, (m, k))), [0, padded - m, 0, 0]))
-            y = emit(relax.call_tir(self.kernel_var(padded, n, k), [x, packed], relax.TensorType((padded, n), "float32")))
-            y = emit(relax.op.strided_slice(y, axes=[0], begin=[0], end=[m]))
-            return relax.op.reshape(y, (*lead, n))
+            return call_with_padded_rows(self.builder_, self.kernel_for(n, k), lhs, [packed], lead, n, k, TILE)
 
-    @tvm.transform.module_pass(opt_level=0, name="AmxBf16Matmuls")
-    def transform(module, _context):
-        rewriter = Rewriter(module)
-        for global_var, function in module.functions_items():
-            if isinstance(function, relax.Function) and function.attrs and "num_input" in function.attrs:
-                rewriter.start(function)
-                rewriter.builder_.update_func(global_var, rewriter.visit_expr(function))
-        return rewriter.builder_.get()
-
-    return transform
-
-
-def kernels_in(module) -> list[str]:
-    """The AMX kernels a module holds, by name."""
-    from tvm import tirx
-
-    return sorted(gv.name_hint for gv, f in module.functions_items()
-                  if isinstance(f, tirx.PrimFunc) and f.attrs and KERNEL_ATTR in f.attrs)
+    return function_pass("AmxBf16Matmuls", Rewriter)
 
 
 def instructions_in(executable) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
-from . import amx, artifacts, tuning_db
+from . import amx, artifacts, fma, tuning_db
 from .artifacts import Artifact
 from .compiler import PREPACK_ENTRY, compile_tuned
 from .ir_io import LIBRARY_FILE, PARAMS_FILE, load_module, load_params, save_params
 from .job import Job
+from .kernel_calls import kernels_in
 from .optimize import optimize
 
 
@@ -46,10 +47,12 @@ def build(job: Job, force: bool = False) -> Artifact:
         "outputs": optimized.meta.get("outputs") or [],
         "device_modules": device_modules(compiled.executable.mod),
     }
-    kernels = amx.kernels_in(optimized_module)
+    kernels = kernels_in(optimized_module, amx.KERNEL_ATTR)
     if kernels:  # what runs on AMX, and the proof that the library holds its instructions
         meta["amx_kernels"] = kernels
         meta["amx_instructions"] = amx.instructions_in(compiled.executable)
+    if kernels := kernels_in(optimized_module, fma.KERNEL_ATTR):  # weight matmuls on our FMA kernel: no task, nothing to tune
+        meta["fma_kernels"] = kernels
     with artifacts.writing("build", path, fp, meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block

@@ -10,7 +10,7 @@ from .artifacts import Artifact
 from .convert import convert
 from .ir_io import load_module, save_module
 from .job import Job
-from .passes import DEFAULT_PASSES, PASS_NAMES, PASSES, check_pass_names, pass_list
+from .passes import DEFAULT_PASSES, PASS_NAMES, PASSES, check_pass_names, pass_list, per_target
 
 
 def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -47,7 +47,8 @@ def count_ops(module) -> dict[str, int]:
 def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Artifact:
     converted = job.upstream("convert", convert)
     names = pipeline(job, disable)
-    fp = artifacts.fingerprint(stage="optimize", convert=converted.fingerprint, passes=names)
+    fp = artifacts.fingerprint(stage="optimize", convert=converted.fingerprint, passes=names,
+                               **({"target": job.target.key} if per_target(names) else {}))
     path = job.stage_dir("optimize")
     if not force and (hit := artifacts.cached("optimize", path, fp)):
         job.say(f"optimize: cached ({path})")
@@ -65,7 +66,7 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
         module = relax.transform.DecomposeOpsForTraining()(module)
     per_pass = []
     for name in names:
-        module = tvm.transform.Sequential(pass_list((name,), job.config.dtype))(module)
+        module = tvm.transform.Sequential(pass_list((name,), job.config.dtype, job.config.target))(module)
         per_pass.append({"pass": name, "ops": count_ops(module)})
     meta = {"outputs": converted.meta.get("outputs", []), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
     with artifacts.writing("optimize", path, fp, meta) as tmp:

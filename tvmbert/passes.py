@@ -175,6 +175,25 @@ def amx_bf16_matmuls():
     return amx_matmuls()
 
 
+def uses_fma_kernel(config) -> bool:
+    """--dtype float32 for a CPU target with AVX-512 or AVX2 and FMA."""
+    return config.dtype == "float32" and _fma_lanes(config.target) > 0
+
+
+@lru_cache(maxsize=8)
+def _fma_lanes(target_text: str) -> int:
+    from . import fma, targets
+
+    target = targets.resolve(target_text)
+    return fma.lanes_of(target.tvm_target()) if target.kind == "llvm" else 0
+
+
+def fma_fp32_matmuls(target_text: str):
+    from .fma import fma_matmuls
+
+    return fma_matmuls(_fma_lanes(target_text))
+
+
 def fast_math():
     """Opt-in approximations: GELU as its tanh form, and TVM's fast exp/erf/tanh/softmax.
 
@@ -285,33 +304,39 @@ def dtype_preserving_matmuls() -> dict:
 @dataclass(frozen=True)
 class GraphPass:
     name: str
-    make: Callable[[object, str], list]  # (relax.transform, the job's dtype) -> the TVM passes it runs, in order
+    make: Callable[[object, str, str], list]  # (relax.transform, the job's dtype, its target) -> the TVM passes it runs, in order
     added_by: Callable[[object], bool] | None = None  # opt-in: not in the default pipeline; added where this holds for the JobConfig
+    per_target: bool = False  # what it makes depends on the target beyond whether it is added
 
 
 # In their canonical order: an opt-in pass is added before the first listed pass that follows it here.
 PASSES = (
-    GraphPass("fold-constants", lambda t, dtype: [t.FoldConstant()]),
-    GraphPass("cse", lambda t, dtype: [t.EliminateCommonSubexpr()]),
+    GraphPass("fold-constants", lambda t, dtype, target: [t.FoldConstant()]),
+    GraphPass("cse", lambda t, dtype, target: [t.EliminateCommonSubexpr()]),
     # Q, K and V projections (same input) become one matmul + split; biases too.
-    GraphPass("combine-qkv", lambda t, dtype: [combine_parallel_matmuls()]),
+    GraphPass("combine-qkv", lambda t, dtype, target: [combine_parallel_matmuls()]),
     # Added for --dtype float16/bfloat16: matmuls in reduced precision accumulating in fp32;
     # bind-params then stores those weights in it (half the bytes to stream per inference).
-    GraphPass("mixed-precision", lambda t, dtype: [t.ToMixedPrecision(out_dtype="float32") if dtype == "float16"
+    GraphPass("mixed-precision", lambda t, dtype, target: [t.ToMixedPrecision(out_dtype="float32") if dtype == "float16"
                                                    else reduced_precision_matmuls(dtype)],
               added_by=lambda config: config.mixed_precision),
     # Added for --dtype bfloat16 on CPUs with AMX-BF16: weight matmuls call our AMX kernel
     # (tvmbert/amx.py), their weights packed in its tile layout by bind-params.
-    GraphPass("amx-bf16", lambda t, dtype: [amx_bf16_matmuls()], added_by=lambda config: uses_amx(config)),
+    GraphPass("amx-bf16", lambda t, dtype, target: [amx_bf16_matmuls()], added_by=lambda config: uses_amx(config)),
+    # Added for --dtype float32 on CPUs with AVX-512 or AVX2: weight matmuls (with their bias)
+    # with enough rows to be compute-bound call our FMA micro-kernel (tvmbert/fma.py), their
+    # weights packed in its panels by bind-params.
+    GraphPass("fma-fp32", lambda t, dtype, target: [fma_fp32_matmuls(target)], added_by=lambda config: uses_fma_kernel(config),
+              per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while
     # the weights stay in a separate file instead of inside the library.
-    GraphPass("bind-params", lambda t, dtype: [t.LiftTransformParams()]),
-    GraphPass("dce", lambda t, dtype: [t.DeadCodeElimination()]),
+    GraphPass("bind-params", lambda t, dtype, target: [t.LiftTransformParams()]),
+    GraphPass("dce", lambda t, dtype, target: [t.DeadCodeElimination()]),
     # Off by default (--fast-math): GELU as tanh, fast exp/erf/tanh/softmax.
-    GraphPass("fast-math", lambda t, dtype: fast_math(), added_by=lambda config: config.fast_math),
-    GraphPass("legalize", lambda t, dtype: [t.LegalizeOps(legalizations(dtype)), t.AnnotateTIROpPattern(), t.FoldConstant()]),
-    GraphPass("fuse", lambda t, dtype: [t.FuseOps(), t.FuseTIR()]),
+    GraphPass("fast-math", lambda t, dtype, target: fast_math(), added_by=lambda config: config.fast_math),
+    GraphPass("legalize", lambda t, dtype, target: [t.LegalizeOps(legalizations(dtype)), t.AnnotateTIROpPattern(), t.FoldConstant()]),
+    GraphPass("fuse", lambda t, dtype, target: [t.FuseOps(), t.FuseTIR()]),
 )
 PASS_NAMES = tuple(p.name for p in PASSES)
 DEFAULT_PASSES = tuple(p.name for p in PASSES if p.added_by is None)
@@ -323,9 +348,14 @@ def check_pass_names(names, where: str = "options") -> None:
         raise InputError(f"{where}: unknown pass {', '.join(repr(n) for n in unknown)} (known: {', '.join(PASS_NAMES)})")
 
 
-def pass_list(names, dtype: str = "float32") -> list:
+def pass_list(names, dtype: str = "float32", target: str | None = None) -> list:
     """The TVM passes behind ``names``, in order: optimize's pipeline, and training's lowering."""
     from tvm import relax
 
     table = {p.name: p for p in PASSES}
-    return [tvm_pass for name in names for tvm_pass in table[name].make(relax.transform, dtype)]
+    return [tvm_pass for name in names for tvm_pass in table[name].make(relax.transform, dtype, target)]
+
+
+def per_target(names) -> bool:
+    """Whether the pipeline's result depends on the target beyond which passes it names."""
+    return any(p.per_target for p in PASSES if p.name in names)

@@ -1,0 +1,87 @@
+"""fp32 weight matmuls on the FMA micro-kernel: its numerics on the shapes that take every branch,
+and bert-tiny through it (rows padded where they must be), against PyTorch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tvmbert import fma, targets
+
+HOST = targets.resolve("llvm").tvm_target()
+HOST_LANES = fma.lanes_of(HOST)
+needs_fma = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
+
+
+@needs_fma
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+@pytest.mark.parametrize("lead, n, k", [
+    ((16,), 96, 40),  # AVX-512: 2 row tiles x 2 panels of 3 vectors; K in blocks of 10; the next panel prefetched
+    ((2, 8), 64, 64),  # two leading dims, panels of 2 vectors
+    ((1024,), 16, 16),  # one-vector panels, 128 row tiles: no prefetch (the panel's first stall no longer counts)
+])
+def test_fma_kernel_matches_float64(lanes, lead, n, k):
+    import tvm
+
+    if n % lanes:
+        pytest.skip("N is not a multiple of the lanes")
+    rows, vectors = fma.tile(n, lanes)
+    m = int(np.prod(lead))
+    width = vectors * lanes
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((*lead, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    b = rng.standard_normal(n, dtype=np.float32)
+    packed = np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2))
+    library = tvm.compile(tvm.IRModule({"main": fma.kernel(m, n, k, lanes, lead)}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
+    library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), tvm.runtime.tensor(b), y)
+    expected = x.astype(np.float64) @ w.astype(np.float64) + b
+    assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_tile_leaves_registers_for_the_weights_and_the_broadcast():
+    for lanes, registers in ((16, 32), (8, 16)):
+        for n in (16 * lanes, 6 * lanes, lanes):
+            rows, vectors = fma.tile(n, lanes)
+            assert rows * vectors + vectors + 1 <= registers
+    assert fma.tile(24, 16) is None  # N not a multiple of the lanes: the matmul keeps its schedule
+
+
+def _build_meta(workdir, key: str) -> dict:
+    (stage,) = workdir.glob(f"bert-tiny/{key}/llvm-*/build/stage.json")
+    meta = json.loads(stage.read_text())
+    return meta.get("meta", meta)
+
+
+@needs_fma
+def test_compute_bound_matmuls_run_on_the_kernel(tvmbert, workdir):
+    outcome = tvmbert("verify", "bert-tiny", "--seq-len", "64", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
+    meta = _build_meta(workdir, "b1-s64-float32")
+    # Q/K/V, attention output, FFN up and down (the pooler has one row: it keeps its schedule).
+    assert len(meta["fma_kernels"]) == 4
+    assert not any(name.startswith("fma_") for name in meta["schedules"])  # no task: nothing to tune
+    optimized = tvmbert("optimize", "bert-tiny", "--seq-len", "64", "--json")
+    assert "fma-fp32" in optimized.json["passes"]
+
+
+@needs_fma
+def test_rows_that_are_no_multiple_of_the_tile_are_padded(tvmbert, workdir):
+    # 3 x 13 = 39 rows: padded to 40 for the kernel, sliced back.
+    outcome = tvmbert("verify", "bert-tiny", "--batch", "3", "--seq-len", "13", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
+    assert len(_build_meta(workdir, "b3-s13-float32")["fma_kernels"]) == 4
+
+
+@needs_fma
+def test_few_rows_and_a_disabled_pass_keep_the_schedules(tvmbert, workdir):
+    assert tvmbert("build", "bert-tiny").code == 0  # 1 x 14: bound by streaming the weights
+    assert "fma_kernels" not in _build_meta(workdir, "b1-s14-float32")
+    outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "64", "--disable", "fma-fp32", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert "fma-fp32" not in outcome.json["passes"]
