@@ -1,5 +1,6 @@
-"""fp32 weight matmuls on the FMA micro-kernel: its numerics on the shapes that take every branch,
-and bert-tiny through it (rows padded where they must be), against PyTorch."""
+"""fp32 kernels LLVM can run at full width: the weight matmuls' FMA micro-kernel (its numerics on
+shapes that take every branch, bert-tiny through it with rows padded where they must be, against
+PyTorch) and softmax's vectorized exp."""
 
 from __future__ import annotations
 
@@ -85,3 +86,26 @@ def test_few_rows_and_a_disabled_pass_keep_the_schedules(tvmbert, workdir):
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "64", "--disable", "fma-fp32", "--json")
     assert outcome.code == 0, outcome.stderr
     assert "fma-fp32" not in outcome.json["passes"]
+
+
+def test_softmax_exp_is_within_one_ulp_and_vectorized():
+    import tvm
+    from tvm import te
+
+    from tvmbert.passes import exp_float32
+
+    size = 1 << 16
+    x = te.placeholder((size,), "float32", name="x")
+    y = te.compute(x.shape, lambda i: exp_float32(x[i]), name="y")
+    function = te.create_prim_func([x, y])
+    schedule = tvm.s_tir.Schedule(function)
+    _, lane = schedule.split(schedule.get_loops(schedule.get_sblock("y"))[0], [None, 16])
+    schedule.vectorize(lane)
+    library = tvm.compile(schedule.mod, target=HOST)
+    inputs = np.linspace(-87, 0, size, dtype=np.float32)
+    out = tvm.runtime.tensor(np.zeros(size, "float32"))
+    library["main"](tvm.runtime.tensor(inputs), out)
+    exact = np.exp(inputs.astype(np.float64))
+    ulps = np.abs(out.numpy() - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.0
+    assert "expf" not in library.mod.inspect_source("asm")  # no libm call (TVM's exp would call expf per lane)

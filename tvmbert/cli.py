@@ -31,7 +31,7 @@ def _common(func):
         click.option("--batch", help="Batch size of the example inputs (bench, export: a list, e.g. 1,8)."),
         click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench, export: a list)."),
         click.option("--text", help="Example text, for models with a tokenizer."),
-        click.option("--dtype", help="float32 (default) or float64."),
+        click.option("--dtype", help="float32 (default), float64, float16 or bfloat16 (README: Precision)."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
         click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
