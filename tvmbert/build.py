@@ -45,6 +45,7 @@ def build(job: Job, force: bool = False) -> Artifact:
         "schedules": compiled.schedules,
         "build_seconds": round(time.perf_counter() - started, 2),
         "outputs": optimized.meta.get("outputs") or [],
+        "packing": optimized.meta.get("packing"),  # a packed build's shape and position rule (packing.py)
         "device_modules": device_modules(compiled.executable.mod),
     }
     kernels = kernels_in(optimized_module, amx.KERNEL_ATTR)

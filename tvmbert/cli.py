@@ -30,6 +30,8 @@ def _common(func):
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
         click.option("--batch", help="Batch size of the example inputs (bench, export: a list, e.g. 1,8)."),
         click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench, export: a list)."),
+        click.option("--tokens", type=int, help="A packed build of this many tokens: the batch's real tokens run as one "
+                     "stream, attention per sequence (no work on padding)."),
         click.option("--text", help="Example text, for models with a tokenizer."),
         click.option("--dtype", help="float32 (default), float64, float16 or bfloat16 (README: Precision)."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
@@ -72,7 +74,8 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
     model = params.pop("model")
     flags = {
         "model": model,
-        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "text", "dtype", "fast_math", "seed", "target", "workdir", "log_dir")},
+        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "target", "workdir",
+                                      "log_dir")},
         **(overrides or {}),
     }
     job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))
@@ -246,15 +249,16 @@ def verify(as_json, samples, tolerance, train, **params):
 @click.option("--lengths", help="A variable-length workload: A-B (uniform token counts) or a file of texts; the exported "
               "package (buckets: --seq-len) against engines of any shape.")
 @click.option("--requests", type=int, help="With --lengths: requests of --batch sequences (default 100, or the file's texts).")
+@click.option("--packed", is_flag=True, help="Also time tvm-packed: the packed build of the same rows (their real tokens only).")
 @_quiet_warnings
 def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, lengths,
-          requests, **params):
+          requests, packed, **params):
     """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
     if lengths is not None:
         from .bench.lengths import bench_lengths
 
-        if train or padding or csv_path or plot_path or markdown_path:
-            raise InputError("--lengths takes none of --train, --padding, --csv, --plot, --markdown")
+        if train or padding or csv_path or plot_path or markdown_path or packed:
+            raise InputError("--lengths takes none of --train, --padding, --csv, --plot, --markdown, --packed")
         if requests is not None and requests < 1:
             raise InputError(f"--requests must be >= 1, got {requests}")
         seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
@@ -278,6 +282,10 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
     seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
     paddings = _numbers(padding, "--padding", kind=float, many=True) or (0.0,)
     names = tuple(e.strip() for e in engines.split(",") if e.strip()) if engines else None
+    if packed:
+        from .bench.engines import DEFAULT_ENGINES
+
+        names = (*(names or DEFAULT_ENGINES), *(() if names and "tvm-packed" in names else ("tvm-packed",)))
     overrides = {"bench.engines": names, "bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
     report = run(_job(params, overrides, sweep=True), batches, seq_lens, paddings)
     if csv_path:
@@ -292,14 +300,16 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
 @cli.command()
 @_common
 @click.option("-o", "--output", "out_dir", type=click.Path(), help="The package folder (replaced whole if it is one).")
+@click.option("--packed", is_flag=True, default=None, help="Also packed buckets for batches > 1: a batch of mixed lengths runs "
+              "its real tokens only.")
 @_quiet_warnings
-def export(as_json, out_dir, **params):
+def export(as_json, out_dir, packed, **params):
     """Build every (batch, seq-len) bucket and write one package that tvmbert.load serves."""
     from .export import export as run
 
     batches = _numbers(params["batch"], "--batch", many=True)
     seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
-    manifest = run(_job(params, {"export.out_dir": out_dir}, sweep=True), out_dir, batches, seq_lens)
+    manifest = run(_job(params, {"export.out_dir": out_dir, "export.packed": packed}, sweep=True), out_dir, batches, seq_lens)
     _emit(as_json, manifest, _print_export)
 
 
@@ -436,6 +446,8 @@ def _print_bench(report):
         if result["ratio"]:
             verdict = "tvm faster" if result["ratio"] < 1 else "tvm slower"
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
+        if result.get("packed_speedup"):
+            out.print(f"tvm (padded) median / tvm-packed's: {result['packed_speedup']:.2f}")
 
 
 def _print_export(manifest):
@@ -443,7 +455,8 @@ def _print_export(manifest):
     for column in ("bucket", "tasks tuned", "build s", "median ms"):
         table.add_column(column, justify="left" if column == "bucket" else "right")
     for b in manifest["buckets"]:
-        table.add_row(f"{b['batch']}x{b['seq_len']}", f"{b['tasks_tuned']}/{b['tasks_total']}",
+        table.add_row(f"{b['batch']}x{b['seq_len']}" + (f", {b['tokens']} tokens" if b.get("tokens") else ""),
+                      f"{b['tasks_tuned']}/{b['tasks_total']}",
                       f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
                       f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
     out.print(table)

@@ -69,6 +69,7 @@ class ExportOptions:
     out_dir: str | None = None  # the package folder (`tvmbert export -o`)
     batches: tuple[int, ...] | None = None  # default: export.DEFAULT_BATCHES
     seq_lens: tuple[int, ...] | None = None  # default: export.DEFAULT_SEQ_LENS up to the model's max positions
+    packed: bool = False  # also packed buckets (export.PACKED_FILLS of the tokens) for every batch > 1
 
     def validate(self, where: str) -> None:
         _require(all(b >= 1 for b in self.batches or ()), where, "export.batches", "numbers >= 1")
@@ -83,6 +84,7 @@ class JobConfig:
     task: str | None = None  # the head to compile; default: the one config.json's architectures names
     batch: int = 1
     seq_len: int | None = None  # default: the tokenized text's length, or 14
+    tokens: int | None = None  # a packed build of this token capacity (packing.py); None: padded
     text: str | None = None
     dtype: str = "float32"
     fast_math: bool = False  # allow approximations (tanh GELU, fast exp/erf/softmax); exact by default
@@ -100,6 +102,7 @@ class JobConfig:
     def validate(self, where: str = "options") -> JobConfig:
         _require(self.batch >= 1, where, "batch", "a number >= 1")
         _require(self.seq_len is None or self.seq_len >= 1, where, "seq_len", "a number >= 1")
+        _require(self.tokens is None or self.tokens >= self.batch, where, "tokens", f"a number >= batch ({self.batch})")
         _require(self.text is None or bool(self.text.strip()), where, "text", "a text that is not empty")
         _require(self.dtype in DTYPE_NAMES, where, "dtype", f"one of {', '.join(DTYPE_NAMES)}")
         _require(0 <= self.seed < 2**32, where, "seed", "a number in [0, 2**32)")

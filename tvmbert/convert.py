@@ -31,11 +31,12 @@ def convert(job: Job, force: bool = False) -> Artifact:
         raise StageFailed(f"Relax import failed: {str(exc).splitlines()[0]}") from exc
     module, params = relax.frontend.detach_params(module)
     # num_input tells Relax passes which parameters are user inputs and which are weights.
-    inputs = len(job.source.inputs)
+    inputs = len(traced.meta["inputs"])
     module["main"] = module["main"].with_attr("num_input", inputs)
     names = [var.name for var in module["main"].params[inputs:]]
     weights = {name: tensor.numpy() for name, tensor in zip(names, params["main"])}
-    meta = {"weights": len(weights), "weight_bytes": int(sum(w.nbytes for w in weights.values())), "outputs": traced.meta["outputs"]}
+    meta = {"weights": len(weights), "weight_bytes": int(sum(w.nbytes for w in weights.values())), "outputs": traced.meta["outputs"],
+            "packing": traced.meta.get("packing")}
     with artifacts.writing("convert", path, fp, meta) as tmp:
         save_module(module, tmp)
         save_params(tmp / PARAMS_FILE, weights)

@@ -5,7 +5,8 @@ so a package is a set of static builds, the buckets: one per (batch, sequence le
 normal ``build`` (tuned where the logs cover it). The loader pads a call to the cheapest buckets
 that fit. Weights are stored once per distinct array: buckets share most of them, but the arrays
 ``build`` transforms (a position-embedding slice, weights prepacked into a kernel's tile layout)
-can differ by shape.
+can differ by shape. With ``packed``, every batch > 1 also gets packed buckets (packing.py) of
+PACKED_FILLS of its tokens: a batch of mixed lengths runs its real tokens only.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import artifacts, models
+from . import artifacts, models, packing
 from .build import build
 from .config import JobConfig
 from .errors import InputError
 from .families import TASKS
 from .ir_io import LIBRARY_FILE, PARAMS_FILE, load_params
 from .job import Job
-from .package import FORMAT, MANIFEST_FILE, MASK_INPUT, load, sha256
+from .package import FORMAT, MANIFEST_FILE, MASK_INPUT, PACKED_FORMAT, load, sha256
 
 DEFAULT_BATCHES = (1, 8)
 DEFAULT_SEQ_LENS = (16, 32, 64, 128, 256, 512)  # up to the model's max positions
@@ -36,12 +37,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
 SHORT_TEXT = "Hello"  # the example text of buckets shorter than the default one (trace needs some tokens)
 TIMED_RUNS = 5  # per bucket, after one warm-up: the cost the loader's planner weighs buckets by
+# A packed bucket per fraction of batch x seq_len tokens; the padded bucket serves full batches
+# (and rows masked whole). bert-base 8 x 128 at half fill: see README, Deploy.
+PACKED_FILLS = (0.25, 0.5)
 
 
 def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, batches: tuple[int, ...] = (),
-           seq_lens: tuple[int, ...] = ()) -> dict:
+           seq_lens: tuple[int, ...] = (), packed: bool | None = None) -> dict:
     """Builds every bucket (tuning first when the config gives tune.trials) and writes the package
-    to ``out_dir`` whole (an existing package there is replaced). Returns the manifest, plus a
+    to ``out_dir`` whole (an existing package there is replaced). ``packed`` (default: the
+    config's export.packed) adds packed buckets for batches > 1. Returns the manifest, plus a
     ``report`` of sizes and times."""
     job = job_or_config if isinstance(job_or_config, Job) else Job(job_or_config)
     options = job.config.export
@@ -54,6 +59,10 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
                                 [s for s in DEFAULT_SEQ_LENS if s <= job.source.max_positions] or [job.source.max_positions])))
     if min(batches) < 1:
         raise InputError(f"--batch must be >= 1, got {min(batches)}")
+    packed = options.packed if packed is None else packed
+    if packed and not TASKS[job.source.task].packable:
+        raise InputError(f"--packed: {job.source.task} has no packed builds (its head reads each sequence's first token inside "
+                         "the model); export it without --packed")
     for seq_len in seq_lens:
         models.check_seq_len(job.source, seq_len)
     if not job.target.device_present():
@@ -63,15 +72,17 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
     built = []
     for batch in batches:
         for seq_len in seq_lens:
-            bucket_job = _bucket_job(job, batch, seq_len)
-            job.say(f"export: bucket {batch}x{seq_len}")
-            bucket_started = time.perf_counter()
-            if job.config.tune.trials:
-                from .tune import tune
+            fills = sorted({max(batch, int(batch * seq_len * fill)) for fill in PACKED_FILLS}) if packed and batch > 1 else []
+            for tokens in (None, *fills):
+                bucket_job = _bucket_job(job, batch, seq_len, tokens)
+                job.say(f"export: bucket {batch}x{seq_len}" + (f", packed: {tokens} tokens" if tokens else ""))
+                bucket_started = time.perf_counter()
+                if job.config.tune.trials:
+                    from .tune import tune
 
-                tune(bucket_job)
-            artifact = build(bucket_job)
-            built.append((bucket_job, artifact, time.perf_counter() - bucket_started))
+                    tune(bucket_job)
+                artifact = build(bucket_job)
+                built.append((bucket_job, artifact, time.perf_counter() - bucket_started))
 
     first_job, first_build, _ = built[0]
     trace_meta = artifacts.read("trace", first_job.stage_dir("trace")).meta
@@ -111,10 +122,11 @@ def _check_out(out: Path) -> None:
             break
 
 
-def _bucket_job(job: Job, batch: int, seq_len: int) -> Job:
-    """The job of one bucket: the same model, dtype and target at (batch, seq_len). Models with
-    a tokenizer trace a text; a bucket shorter than the default text traces a short one."""
-    config = replace(job.config, batch=batch, seq_len=seq_len)
+def _bucket_job(job: Job, batch: int, seq_len: int, tokens: int | None = None) -> Job:
+    """The job of one bucket: the same model, dtype and target at (batch, seq_len), packed to
+    ``tokens``. Models with a tokenizer trace a text; a bucket shorter than the default text
+    traces a short one."""
+    config = replace(job.config, batch=batch, seq_len=seq_len, tokens=tokens)
     if not models.has_tokenizer(job.source):
         return Job(config, no_deps=job.no_deps, say=job.say)
     try:
@@ -135,16 +147,21 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
     weights: dict[str, np.ndarray] = {}
     buckets = []
     (folder / "lib").mkdir()
+    packing_meta = None
     for bucket_job, artifact, seconds in built:
         batch, seq_len = bucket_job.inputs.shape
+        tokens = bucket_job.config.tokens
         keys = []
         for array in load_params(artifact.file(PARAMS_FILE)).values():
             key = _array_key(array)
             weights.setdefault(key, array)
             keys.append(key)
-        library = f"lib/b{batch}-s{seq_len}.so"
+        library = f"lib/b{batch}-s{seq_len}" + (f"-t{tokens}" if tokens else "") + ".so"
         shutil.copyfile(artifact.file(LIBRARY_FILE), folder / library)
-        buckets.append({"batch": batch, "seq_len": seq_len, "library": library, "weights": keys,
+        if tokens:
+            packing_meta = {"inputs": list(packing.input_names(bucket_job.source.inputs)),
+                            "positions": artifact.meta["packing"]["positions"]}
+        buckets.append({"batch": batch, "seq_len": seq_len, **({"tokens": tokens} if tokens else {}), "library": library, "weights": keys,
                         "tasks_total": artifact.meta["tasks_total"], "tasks_tuned": artifact.meta["tasks_tuned"],
                         "build_seconds": artifact.meta["build_seconds"], "export_seconds": round(seconds, 1),
                         "cached": artifact.cached})
@@ -152,7 +169,7 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
         np.savez(handle, **{key: a.view(np.uint16) if a.dtype.name == "bfloat16" else a for key, a in weights.items()})
     tokenizer = _copy_tokenizer(job, folder / "tokenizer")
     manifest = {
-        "format": FORMAT,
+        "format": PACKED_FORMAT if packing_meta else FORMAT,
         "model": {"name": job.source.name, "key": job.source.key, "fingerprint": job.source.fingerprint,
                   "vocab_size": job.source.vocab_size, "type_vocab_size": job.source.type_vocab_size,
                   "max_positions": job.source.max_positions, "weight_bytes": convert_meta["weight_bytes"]},
@@ -163,6 +180,7 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
         "inputs": _inputs(built[0][0]),
         "outputs": _outputs(job, trace_meta),
         "buckets": buckets,
+        **({"packing": packing_meta} if packing_meta else {}),
         "weights_file": WEIGHTS_FILE,
         "weights": {key: {"dtype": a.dtype.name, "shape": list(a.shape)} for key, a in weights.items()},
         "tokenizer": tokenizer,
@@ -221,7 +239,7 @@ def _time_buckets(folder: Path, manifest: dict) -> None:
     for index, bucket in enumerate(manifest["buckets"]):
         feeds = {spec["name"]: np.full((bucket["batch"], bucket["seq_len"]), 1 if spec["name"] == MASK_INPUT else 0, np.int64)
                  for spec in manifest["inputs"]}
-        lengths = [bucket["seq_len"]] * bucket["batch"]
+        lengths = packing.fitting_lengths(bucket["batch"], bucket["seq_len"], bucket.get("tokens") or bucket["batch"] * bucket["seq_len"])
         model._run_bucket(index, feeds, lengths)
         timings = []
         for _ in range(TIMED_RUNS):

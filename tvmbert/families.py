@@ -18,6 +18,11 @@ def _encoder_layers(base):
     return base.encoder.layer
 
 
+def _pooler(base, first_tokens):
+    """BERT's pooler on each sequence's first token ([sequences, hidden]; it reads [:, 0])."""
+    return base.pooler(first_tokens[:, None])
+
+
 @dataclass(frozen=True)
 class Family:
     """What tvmbert needs to know of one ``model_type``."""
@@ -31,13 +36,18 @@ class Family:
     layers: Callable = _encoder_layers
     # Keyword names of the architecture sizes in this family's config class (presets).
     size_names: dict[str, str] = field(default_factory=dict)
+    # Packed builds (packing.py): how the model numbers positions from a row's ids (a
+    # packing.POSITIONS key), and its pooler applied to each sequence's first token.
+    positions: str = "index"
+    pool: Callable = _pooler
 
 
 FAMILIES: dict[str, Family] = {
     "bert": Family("BertConfig", "Bert"),
-    "roberta": Family("RobertaConfig", "Roberta"),
-    "xlm-roberta": Family("XLMRobertaConfig", "XLMRoberta"),
-    "camembert": Family("CamembertConfig", "Camembert"),
+    # Positions count the non-pad tokens from pad + 1 (create_position_ids_from_input_ids).
+    "roberta": Family("RobertaConfig", "Roberta", positions="non-pad-count"),
+    "xlm-roberta": Family("XLMRobertaConfig", "XLMRoberta", positions="non-pad-count"),
+    "camembert": Family("CamembertConfig", "Camembert", positions="non-pad-count"),
     "electra": Family("ElectraConfig", "Electra"),
     # No segment ids; its sizes are spelled dim / n_layers / n_heads / hidden_dim.
     "distilbert": Family("DistilBertConfig", "DistilBert", inputs=("input_ids", "attention_mask"),
@@ -45,7 +55,9 @@ FAMILIES: dict[str, Family] = {
                          size_names={"num_hidden_layers": "n_layers", "hidden_size": "dim",
                                      "num_attention_heads": "n_heads", "intermediate_size": "hidden_dim"}),
     # Factorized embeddings (embedding_size < hidden_size) and one layer's weights for all layers.
-    "albert": Family("AlbertConfig", "Albert", layers=lambda base: base.encoder.albert_layer_groups[0].albert_layers),
+    # Its pooler is a bare Linear, with the tanh apart.
+    "albert": Family("AlbertConfig", "Albert", layers=lambda base: base.encoder.albert_layer_groups[0].albert_layers,
+                     pool=lambda base, first_tokens: base.pooler_activation(base.pooler(first_tokens))),
 }
 
 
@@ -57,11 +69,13 @@ class Task:
     outputs: tuple[str, ...]
     per_token: tuple[str, ...]  # outputs with one row per token: compared on real tokens only
     fixed_labels: int | None = None  # QA heads have exactly two (start, end), whatever config says
+    packable: bool = True  # its head works token by token (or is the pooler): a packed build can run it
 
 
 TASKS: dict[str, Task] = {
     "feature-extraction": Task("Model", ("last_hidden_state", "pooler_output"), per_token=("last_hidden_state",)),
-    "text-classification": Task("ForSequenceClassification", ("logits",), per_token=()),
+    # Each family's classifier reads the first token inside the model, of a [batch, tokens] layout.
+    "text-classification": Task("ForSequenceClassification", ("logits",), per_token=(), packable=False),
     "token-classification": Task("ForTokenClassification", ("logits",), per_token=("logits",)),
     "question-answering": Task("ForQuestionAnswering", ("start_logits", "end_logits"),
                                per_token=("start_logits", "end_logits"), fixed_labels=2),

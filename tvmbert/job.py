@@ -12,6 +12,7 @@ from . import artifacts, models, targets
 from .artifacts import Artifact
 from .config import JobConfig
 from .errors import InputError
+from .families import TASKS
 from .registry import STAGES
 
 
@@ -45,6 +46,8 @@ class Job:
                 raise InputError(amx.no_amx_message(self.target))
         if self.config.seq_len is not None:
             models.check_seq_len(self.source, self.config.seq_len)
+        if self.config.tokens is not None:
+            self._check_packed()
         _check_folder(Path(self.config.workdir), "--workdir")
         _check_folder(Path(self.config.log_dir), "--log-dir")
         if self.config.text is not None:
@@ -58,7 +61,23 @@ class Job:
     def shape_key(self) -> str:
         known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
         batch, seq_len = known or self.inputs.shape
-        return f"b{batch}-s{seq_len}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
+        tokens = f"-t{self.config.tokens}" if self.config.tokens is not None else ""
+        return f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
+
+    @property
+    def packed(self) -> bool:
+        """A packed build: the batch's real tokens as one stream (packing.py)."""
+        return self.config.tokens is not None
+
+    def _check_packed(self) -> None:
+        if not TASKS[self.source.task].packable:
+            packable = ", ".join(name for name, task in TASKS.items() if task.packable)
+            raise InputError(f"--tokens: a packed build of {self.source.task} is not supported (its head reads each sequence's "
+                             f"first token inside the model); packed builds serve {packable}")
+        known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
+        batch, seq_len = known or self.inputs.shape
+        if self.config.tokens > batch * seq_len:
+            raise InputError(f"--tokens {self.config.tokens} is above batch x seq-len ({batch} x {seq_len} = {batch * seq_len})")
 
     def stage_dir(self, stage: str) -> Path:
         base = Path(self.config.workdir) / self.source.key / self.shape_key

@@ -68,7 +68,7 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
     for name in names:
         module = tvm.transform.Sequential(pass_list((name,), job.config.dtype, job.config.target))(module)
         per_pass.append({"pass": name, "ops": count_ops(module)})
-    meta = {"outputs": converted.meta.get("outputs", []), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
+    meta = {"outputs": converted.meta.get("outputs", []), "packing": converted.meta.get("packing"), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
     with artifacts.writing("optimize", path, fp, meta) as tmp:
         save_module(module, tmp)
     return Artifact("optimize", path, fp, {"fingerprint": fp, **meta}, cached=False)

@@ -1,10 +1,11 @@
 """An exported package (`tvmbert export`), loaded for serving with NumPy and TVM alone.
 
 No torch and no transformers: this module imports NumPy, TVM inside the functions that need it,
-``tokenizers`` only for text, and of tvmbert only ``errors`` and ``targets`` (neither imports more).
-A call of any batch size and any length up to the largest bucket is planned over the package's
-static-shape builds ("buckets"): rows sorted by length, grouped so that the summed cost of the
-buckets run (each bucket's latency measured at export) is least, padded, run, and trimmed back.
+``tokenizers`` only for text, and of tvmbert only ``errors``, ``targets`` and ``packing`` (none
+imports more). A call of any batch size and any length up to the largest bucket is planned over
+the package's static-shape builds ("buckets"): rows sorted by length, grouped so that the summed
+cost of the buckets run (each bucket's latency measured at export) is least, padded (or packed,
+for a packed bucket: packing.py), run, and trimmed back.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import targets
+from . import packing, targets
 from .errors import InputError, PackageError
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1  # bump when the package layout changes meaning
+PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would run them as padded ones
 MASK_INPUT = "attention_mask"  # the input padded with 0 (the others with their "pad" value)
 
 
@@ -44,6 +46,16 @@ class Bucket:
     library: str  # path in the package
     weights: tuple[str, ...]  # keys in the weights file, in the order main takes them
     cost_ms: float  # median latency measured at export: what the planner minimizes
+    tokens: int | None = None  # a packed bucket's token capacity; None: padded
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens or self.batch * self.seq_len
+
+    def contains(self, other: Bucket) -> bool:
+        """Every group of rows ``other`` takes, this one takes too (a packed bucket takes no row masked whole)."""
+        return (other.batch <= self.batch and other.seq_len <= self.seq_len and other.capacity <= self.capacity
+                and (self.tokens is None or other.tokens is not None))
 
 
 class ExportedModel:
@@ -75,7 +87,8 @@ class ExportedModel:
         self.input_names = tuple(i["name"] for i in self.inputs)
         self.output_names = tuple(o["name"] for o in self.outputs)
         self.buckets = _monotone([Bucket(b["batch"], b["seq_len"], b["library"], tuple(b["weights"]), b.get("cost_ms") or
-                                         float(b["batch"] * b["seq_len"])) for b in self.manifest["buckets"]])
+                                         float(b.get("tokens") or b["batch"] * b["seq_len"]), b.get("tokens"))
+                                  for b in self.manifest["buckets"]])
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq_len = max(b.seq_len for b in self.buckets)
         self._mains = [relax.VirtualMachine(_load_library(self.path / b.library), self.device)["main"] for b in self.buckets]
@@ -186,7 +199,7 @@ class ExportedModel:
         for name in self.input_names:
             if name not in checked:
                 checked[name] = np.ones(shape, np.int64) if name == MASK_INPUT else np.full(shape, self._pad(name), np.int64)
-        lengths = _lengths(checked.get(MASK_INPUT), shape)
+        lengths = packing.lengths(checked.get(MASK_INPUT), shape)
         results = self._run_checked(checked, lengths)
         for name, values in results.items():
             if self._per_token(name):
@@ -201,10 +214,11 @@ class ExportedModel:
 
     # ---- the planner and the bucket runs ---------------------------------------------------
 
-    def plan(self, lengths) -> list[tuple[int, list[int]]]:
-        """[(bucket index, rows)]: every row once, in a bucket at least as long as it, with the
-        least total measured cost (rows sorted longest first, then a dynamic program over
-        consecutive groups)."""
+    def plan(self, lengths, packable=None) -> list[tuple[int, list[int]]]:
+        """[(bucket index, rows)]: every row once, in a bucket at least as long as it (a packed
+        one only for groups whose tokens it holds, with no row in ``packable`` false: rows
+        masked whole), with the least total measured cost (rows sorted longest first, then a
+        dynamic program over consecutive groups)."""
         order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
         count = len(order)
         best = [0.0] * (count + 1)
@@ -212,14 +226,21 @@ class ExportedModel:
         for start in range(count - 1, -1, -1):
             longest = lengths[order[start]]
             best[start] = float("inf")
+            tokens, packs = 0, True
             for size in range(1, min(self.max_batch, count - start) + 1):
-                fits = [i for i, b in enumerate(self.buckets) if b.batch >= size and b.seq_len >= longest]
+                tokens += lengths[order[start + size - 1]]
+                packs = packs and (packable is None or bool(packable[order[start + size - 1]]))
+                fits = [i for i, b in enumerate(self.buckets) if b.batch >= size and b.seq_len >= longest
+                        and (b.tokens is None or (packs and tokens <= b.tokens))]
                 if not fits:
                     continue
                 index = min(fits, key=lambda i: self.buckets[i].cost_ms)
                 total = self.buckets[index].cost_ms + best[start + size]
                 if total < best[start]:
                     best[start], choice[start] = total, (index, size)
+        if best[0] == float("inf"):
+            raise InputError("a row masked whole needs a padded bucket, and this package has only packed ones for it: "
+                             "export with batch 1 too")
         groups, start = [], 0
         while start < count:
             index, size = choice[start]
@@ -239,7 +260,7 @@ class ExportedModel:
                 raise InputError(f"{spec['name']} holds {array[where]} at {list(where)}: it must be {allowed}")
         lengths = [int(n) for n in lengths]
         results: dict[str, np.ndarray] = {}
-        for index, rows in self.plan(lengths):
+        for index, rows in self.plan(lengths, arrays[MASK_INPUT].any(axis=1)):
             outputs = self._run_bucket(index, {name: array[rows] for name, array in arrays.items()}, [lengths[r] for r in rows])
             for spec, values in zip(self.outputs, outputs):
                 if spec["name"] not in results:
@@ -254,21 +275,30 @@ class ExportedModel:
         return results
 
     def _run_bucket(self, index: int, arrays: dict[str, np.ndarray], lengths: list[int]) -> list[np.ndarray]:
-        """Rows padded to the bucket's shape (ids with their pad value, mask 0), run once."""
+        """Rows padded to the bucket's shape (ids with their pad value, mask 0), or packed into a
+        packed bucket's stream, run once; per-token outputs come back as [rows, seq_len, ...]."""
         import tvm
 
         bucket = self.buckets[index]
-        feeds = []
-        for name in self.input_names:
-            padded = np.full((bucket.batch, bucket.seq_len), 0 if name == MASK_INPUT else self._pad(name), np.int64)
-            for slot, length in enumerate(lengths):
-                padded[slot, :length] = arrays[name][slot, :length]
-            feeds.append(tvm.runtime.tensor(padded, self.device))
+        if bucket.tokens is None:
+            feeds = []
+            for name in self.input_names:
+                padded = np.full((bucket.batch, bucket.seq_len), 0 if name == MASK_INPUT else self._pad(name), np.int64)
+                for slot, length in enumerate(lengths):
+                    padded[slot, :length] = arrays[name][slot, :length]
+                feeds.append(padded)
+        else:
+            packed = packing.pack(arrays, lengths, bucket.batch, bucket.seq_len, bucket.tokens, self.manifest["packing"]["positions"])
+            feeds = [packed[name] for name in packing.input_names(self.input_names)]
+        feeds = [tvm.runtime.tensor(feed, self.device) for feed in feeds]
         with self._lock:
             outputs = self._mains[index](*feeds, *(self._weights[key] for key in bucket.weights))
             if hasattr(outputs, "numpy"):  # a single output comes back bare
                 outputs = [outputs]
-            return [out.numpy() for out in outputs]
+            outputs = [out.numpy() for out in outputs]
+        if bucket.tokens is None:
+            return outputs
+        return [packing.unpack(out, lengths, bucket.seq_len) if spec["per_token"] else out for spec, out in zip(self.outputs, outputs)]
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -296,7 +326,7 @@ class ExportedModel:
         return self._tokenizer
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{b.batch}x{b.seq_len}" for b in self.buckets)
+        shapes = ", ".join(f"{b.batch}x{b.seq_len}" + (f"/{b.tokens}" if b.tokens else "") for b in self.buckets)
         return f"ExportedModel({self.manifest['model']['name']}, {self.manifest['target_key']}, buckets {shapes})"
 
 
@@ -309,8 +339,7 @@ def load(path: str | Path, device=None, warn=None) -> ExportedModel:
 def _monotone(buckets: list[Bucket]) -> list[Bucket]:
     """A bucket costs at least what any bucket it contains costs: a latency measured on a busy
     machine may say otherwise, and the planner would then pad for nothing."""
-    return [replace(b, cost_ms=max(o.cost_ms for o in buckets if o.batch <= b.batch and o.seq_len <= b.seq_len))
-            for b in buckets]
+    return [replace(b, cost_ms=max(o.cost_ms for o in buckets if b.contains(o))) for b in buckets]
 
 
 def _read_manifest(path: Path) -> dict:
@@ -321,9 +350,9 @@ def _read_manifest(path: Path) -> dict:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PackageError(f"{file} cannot be read: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, PACKED_FORMAT):
         raise PackageError(f"{file}: package format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
-                           f"this tvmbert reads format {FORMAT}")
+                           f"this tvmbert reads formats {FORMAT} and {PACKED_FORMAT}")
     return manifest
 
 
@@ -367,13 +396,3 @@ def _as_integers(name: str, value) -> np.ndarray:
     if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
         raise InputError(f"{name} must hold integers, got {array.dtype}")
     return array.astype(np.int64, copy=False)
-
-
-def _lengths(mask: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
-    """Each row's length up to its last unmasked token; a row masked whole keeps the full
-    length (its output depends on how many masked positions there are)."""
-    if mask is None:
-        return np.full(shape[0], shape[1])
-    unmasked = mask.astype(bool)
-    last = shape[1] - np.argmax(unmasked[:, ::-1], axis=1)
-    return np.where(unmasked.any(axis=1), last, shape[1])

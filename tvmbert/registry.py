@@ -53,11 +53,14 @@ class BenchEngine:
     name: str
     factory: str  # "module:function": (job, inputs, threads) -> bench.engines.Engine, set up
     requires: tuple[str, ...] = ()  # modules it imports, from tvmbert's [peers] extra: without them it is skipped
+    default: bool = True  # timed when --engines is not given (else only when named, or by bench --packed)
 
 
 # In report order; tvm, the subject, first.
 ENGINES = {engine.name: engine for engine in (
     BenchEngine("tvm", "bench.engines:tvm_engine"),
+    # The packed build of the same rows (packing.py): one more build per shape, so asked for.
+    BenchEngine("tvm-packed", "bench.engines:tvm_packed_engine", default=False),
     BenchEngine("torch-eager", "bench.engines:torch_eager"),
     BenchEngine("torch-sdpa", "bench.engines:torch_sdpa"),
     BenchEngine("torch-compile", "bench.engines:torch_compile"),

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import models
+from . import models, packing
 from .build import build
 from .config import torch_dtype
 from .errors import CheckFailed, ToolchainError
@@ -49,17 +49,21 @@ class VerifyResult:
 
 
 def sample_inputs(job: Job, count: int) -> list[tuple]:
-    """The example input first, then seeded random ids with random real lengths (padding)."""
+    """The example input first, then seeded random ids with random real lengths (padding). A
+    packed build's samples fit its tokens: random lengths, a full row and a row of one token."""
     import torch
 
     first = job.inputs
-    samples = [first.as_tuple()]
     batch, seq_len = first.shape
+    samples = [] if job.packed else [first.as_tuple()]
     generator = torch.Generator().manual_seed(job.config.seed + 7)
+    rng = np.random.default_rng(job.config.seed + 7)
     high = int(first.input_ids.max()) + 1
-    for _ in range(count - 1):
+    while len(samples) < count:
         ids = torch.randint(5, max(high, 6), (batch, seq_len), generator=generator)
         lengths = torch.randint(max(1, seq_len // 2), seq_len + 1, (batch,), generator=generator)
+        if job.packed:
+            lengths = torch.tensor(packing.fitting_lengths(batch, seq_len, job.config.tokens, rng))
         mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
         samples.append(models.make_inputs(job.source, ids * mask, mask, first.tensors.get("token_type_ids", mask) * mask).as_tuple())
     return samples
@@ -81,9 +85,15 @@ def verify(job: Job) -> VerifyResult:
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*sample)]
         actual = compiled([t.numpy() for t in sample])
+        # A packed build computes each row's tokens only: per-token outputs compared up to its length.
+        mask = sample[job.inputs.names.index("attention_mask")].numpy()
+        lengths = packing.lengths(mask, mask.shape)
+        real = np.arange(mask.shape[1])[None, :] < lengths[:, None]
         for index, (want, got) in enumerate(zip(expected, actual)):
             diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
             rel = diff / np.maximum(np.abs(want.astype(np.float64)), 1e-3)
+            if job.packed and compiled.per_token[index]:
+                diff, rel = diff[real], rel[real]
             previous = worst.get(index)
             worst[index] = OutputDiff(
                 names[index],

@@ -6,17 +6,18 @@ import importlib.util
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .. import models, registry
+from .. import models, packing, registry
 from ..build import build
 from ..config import torch_dtype
 from ..job import Job
 from ..runtime import CompiledModel
 
 ENGINES = tuple(registry.ENGINES)  # their names, in report order
+DEFAULT_ENGINES = tuple(name for name, engine in registry.ENGINES.items() if engine.default)
 # A sanity check of each engine against PyTorch eager in fp32 (fp64 for float64), not verify's bar.
 CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2}
 # The dtype the PyTorch peers run in, per --dtype: with --dtype bfloat16 the model cast to bf16,
@@ -66,6 +67,16 @@ def tvm_engine(job: Job, inputs, threads: int) -> Engine:
 
     engine = Engine("tvm", run, lambda: compiled([t.numpy() for t in inputs]))
     engine.setup_s = float(built.meta.get("build_seconds", 0.0))
+    return engine
+
+
+def tvm_packed_engine(job: Job, inputs, threads: int) -> Engine:
+    """The packed build of these rows, its token capacity exactly their real tokens: what a
+    padding-free runtime computes (same rows in, outputs back in rows)."""
+    mask = inputs[job.inputs.names.index("attention_mask")].numpy()
+    tokens = int(packing.lengths(mask, mask.shape).sum())
+    engine = tvm_engine(Job(replace(job.config, tokens=tokens), no_deps=job.no_deps, say=job.say), inputs, threads)
+    engine.name = "tvm-packed"
     return engine
 
 

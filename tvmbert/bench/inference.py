@@ -13,7 +13,7 @@ from ..errors import InputError, ToolchainError
 from ..families import TASKS
 from ..job import Job
 from ..targets import cpu_count
-from .engines import ENGINES, _available, _check, _make, check_tolerance, peer_dtype, reference
+from .engines import DEFAULT_ENGINES, _available, _check, _make, check_tolerance, peer_dtype, reference
 from .timing import _ratios, _summary, environment, measure, set_threads
 
 
@@ -84,7 +84,7 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
     """What each engine computes in, as the report says it."""
     described = {}
     for name in engines:
-        if name == "tvm":
+        if name.startswith("tvm"):
             described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
                                "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32"}.get(dtype, dtype)
         elif name.startswith("torch"):
@@ -98,7 +98,7 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
 def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (), paddings: tuple[float, ...] = (0.0,)) -> dict:
     if not job.target.device_present():
         raise ToolchainError(f"bench runs the model: this machine has no {job.target.kind} device")
-    engines = job.config.bench.engines or ENGINES
+    engines = job.config.bench.engines or DEFAULT_ENGINES
     if any(not 0.0 <= p < 1.0 for p in paddings):
         raise InputError("--padding must be a fraction in [0, 1)")
     if "tvm" not in engines:
@@ -115,6 +115,6 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
     report = {"model": job.source.name, "dtype": job.config.dtype, "environment": environment(job, threads),
               "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
-        report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup")})
+        report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})
         report["shape"] = {"batch": results[0]["batch"], "seq_len": results[0]["seq_len"], "padding": results[0]["padding"]}
     return report

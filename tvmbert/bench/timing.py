@@ -61,16 +61,18 @@ def _summary(engine: Engine, batch: int) -> dict:
 
 def _ratios(engines: dict) -> dict:
     """ratio: tvm's median over the best other engine's (below 1: tvm is faster);
-    speedup: torch-eager's median over tvm's."""
+    speedup: torch-eager's median over tvm's; packed_speedup: tvm's over tvm-packed's (the
+    padded build over the packed one; not a peer, so never the best other)."""
     timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats}
     if "tvm" not in timed:
-        return {"ratio": None, "best_other": None, "speedup": None}
-    others = {name: median for name, median in timed.items() if name != "tvm"}
+        return {"ratio": None, "best_other": None, "speedup": None, "packed_speedup": None}
+    others = {name: median for name, median in timed.items() if name not in ("tvm", "tvm-packed")}
     best = min(others, key=others.get) if others else None
     return {
         "ratio": round(timed["tvm"] / others[best], 3) if best else None,
         "best_other": best,
         "speedup": round(timed["torch-eager"] / timed["tvm"], 3) if "torch-eager" in timed else None,
+        "packed_speedup": round(timed["tvm"] / timed["tvm-packed"], 3) if "tvm-packed" in timed else None,
     }
 
 
