@@ -92,7 +92,7 @@ def test_softmax_exp_is_within_one_ulp_and_vectorized():
     import tvm
     from tvm import te
 
-    from tvmbert.passes import exp_float32
+    from tvmbert.scalar_math import exp_float32
 
     size = 1 << 16
     x = te.placeholder((size,), "float32", name="x")

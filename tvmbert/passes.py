@@ -140,6 +140,70 @@ def _combiner_class():
     return Combiner
 
 
+def unflatten_batched_matmuls():
+    """torch.export writes a matmul of 4-D tensors (attention's Q K^T and P V) as a 3-D batched
+    matmul between reshapes: [b, h, m, k] (broadcast to its own shape) -> [b * h, m, k], matmul,
+    then back to [b, h, m, n]. Legalized, that last reshape is a kernel of its own whose div/mod
+    indexing LLVM cannot vectorize, and it keeps the scale and the mask that follow from fusing
+    into the matmul: bert-base 8 x 128 spent 2.5 ms x 12 layers on a scale and an add. The matmul
+    runs on the 4-D tensors instead."""
+    import tvm
+    from tvm import relax
+
+    def static_shape(expr):
+        shape = getattr(getattr(expr, "ty", None), "shape", None)
+        if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
+            return None
+        return [int(d) for d in shape]
+
+    def is_op(expr, name):
+        return isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == name
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def bound(self, expr):
+            return self.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+
+        def four_d(self, flat):
+            """x where ``flat`` is reshape(x [b, h, m, k]) to [b * h, m, k] (x possibly broadcast
+            to its own shape first), else None."""
+            reshape = self.bound(flat)
+            if not is_op(reshape, "relax.reshape"):
+                return None
+            source = reshape.args[0]
+            broadcast = self.bound(source)
+            if is_op(broadcast, "relax.broadcast_to") and static_shape(broadcast.args[0]) == static_shape(source):
+                source = broadcast.args[0]
+            shape, flat_shape = static_shape(source), static_shape(flat)
+            if shape is None or flat_shape is None or len(shape) != 4 or [shape[0] * shape[1], *shape[2:]] != flat_shape:
+                return None
+            return source
+
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            product = self.bound(call.args[0]) if is_op(call, "relax.reshape") else None
+            if not is_op(product, "relax.matmul"):
+                return call
+            sources = [self.four_d(arg) for arg in product.args]
+            if any(source is None for source in sources):
+                return call
+            (b, h, m, _), (b2, h2, _, n) = (static_shape(source) for source in sources)
+            target = [int(d) for d in call.args[1].values] if isinstance(call.args[1], relax.ShapeExpr) else None
+            if (b, h) != (b2, h2) or target != [b, h, m, n]:
+                return call
+            return relax.op.matmul(*sources, out_dtype=product.attrs.out_dtype)
+
+    @tvm.transform.module_pass(opt_level=0, name="UnflattenBatchedMatmuls")
+    def transform(module, _context):
+        rewriter = Rewriter(module)
+        for global_var, function in module.functions_items():
+            if isinstance(function, relax.Function):
+                rewriter.builder_.update_func(global_var, relax.analysis.remove_all_unused(rewriter.visit_expr(function)))
+        return rewriter.builder_.get()
+
+    return transform
+
+
 def reduced_precision_matmuls(dtype: str):
     """Matmul inputs cast to ``dtype``, accumulation kept in float32; the rest stays float32.
 
@@ -230,57 +294,41 @@ def _call_rewrite_pass(name: str, rewrite):
 
 
 def vectorized_erf() -> dict:
-    """LegalizeOps overrides for float32 GELU and erf: erf as TVM's rational polynomial
-    (``topi.fast_erf``: 4.2e-7 max abs error on [-6, 6] against float64, a few ulp) instead of
+    """LegalizeOps overrides for float32 GELU and erf: erf as a rational polynomial
+    (``scalar_math.erf_float32``, TVM's ``fast_erf``: 4.2e-7 max abs error, a few ulp) instead of
     libm's ``erff``, a scalar call LLVM cannot vectorize: bert-base's 14 x 3072 GELU kernel took
     245 µs x 12 layers with it. GELU stays the exact, erf form (``--fast-math`` is the tanh one);
     other dtypes keep libm's erf."""
     import tvm
-    from tvm import topi
+    from tvm import te
 
-    def float32_only(op_name, compute):
+    from .scalar_math import erf_float32, gelu_float32
+
+    def float32_only(op_name, function):
         default = tvm.ir.Op.get(op_name).get_attr("FLegalize")
+        name = op_name.rsplit(".", 1)[-1]
+
+        def compute(x):
+            return te.compute(x.shape, lambda *i: function(x[i]), name="T_" + name)
 
         def legalize(builder, call):
             if call.args[0].ty.dtype != "float32":
                 return default(builder, call)
-            return builder.call_te(compute, call.args[0], primfunc_name_hint=op_name.rsplit(".", 1)[-1])
+            return builder.call_te(compute, call.args[0], primfunc_name_hint=name)
 
         return legalize
 
-    return {
-        "relax.nn.gelu": float32_only("relax.nn.gelu", lambda x: x * (0.5 + topi.fast_erf(x * 0.7071067811865476) * 0.5)),
-        "relax.erf": float32_only("relax.erf", topi.fast_erf),
-    }
-
-
-def exp_float32(x):
-    """exp of a float32 TE expression as Cephes' ``expf``: x = n ln2 + r (ln2 split in two
-    constants), a degree-5 polynomial in r, 2^n written into the exponent bits. Within 1 ulp of the
-    exact value on [-87, 0] (measured: 0.99 ulp, 8.3e-8 relative; TVM's ``fast_exp`` 4.5 ulp) and
-    vectorizable, where libm's ``expf`` is a scalar call LLVM cannot vectorize. Inputs are clamped
-    to [-87, 88], where float32 neither overflows nor goes subnormal."""
-    from tvm import te, tirx
-
-    def const(value):
-        return tirx.const(value, "float32")
-
-    x = te.max(te.min(x, const(88.0)), const(-87.0))
-    n = te.floor(x * const(1.44269504088896341) + const(0.5))
-    r = x - n * const(0.693359375) - n * const(-2.12194440e-4)
-    polynomial = const(1.9875691500e-4)
-    for coefficient in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        polynomial = polynomial * r + const(coefficient)
-    power_of_two = tirx.reinterpret("float32", (n.astype("int32") + 127) << 23)
-    return (polynomial * r * r + r + const(1.0)) * power_of_two
+    return {"relax.nn.gelu": float32_only("relax.nn.gelu", gelu_float32), "relax.erf": float32_only("relax.erf", erf_float32)}
 
 
 def vectorized_softmax() -> dict:
     """LegalizeOps override for float32 softmax: TVM's four stages (max, exp, sum, divide) with
-    ``exp_float32`` for libm's ``expf``: bert-base 1 x 128's softmax took ~600 µs x 12 layers with
-    the scalar call. Other dtypes keep TVM's softmax; ``--fast-math`` has its own."""
+    ``scalar_math.exp_float32`` (within 1 ulp, vectorizable) for libm's ``expf``: bert-base
+    1 x 128's softmax took ~600 µs x 12 layers with the scalar call. Other dtypes keep TVM's softmax; ``--fast-math`` has its own."""
     import tvm
-    from tvm import te, topi
+    from tvm import te
+
+    from .scalar_math import exp_float32
 
     default = tvm.ir.Op.get("relax.nn.softmax").get_attr("FLegalize")
 
@@ -348,6 +396,9 @@ PASSES = (
     GraphPass("cse", lambda t, dtype, target: [t.EliminateCommonSubexpr()]),
     # Q, K and V projections (same input) become one matmul + split; biases too.
     GraphPass("combine-qkv", lambda t, dtype, target: [combine_parallel_matmuls()]),
+    # Attention's two matmuls on 4-D tensors, where the exporter flattened them to 3-D between
+    # reshapes: the scale and the mask then fuse into the Q K^T kernel.
+    GraphPass("unflatten-bmm", lambda t, dtype, target: [unflatten_batched_matmuls()]),
     # Added for --dtype float16/bfloat16: matmuls in reduced precision accumulating in fp32;
     # bind-params then stores those weights in it (half the bytes to stream per inference).
     GraphPass("mixed-precision", lambda t, dtype, target: [t.ToMixedPrecision(out_dtype="float32") if dtype == "float16"
