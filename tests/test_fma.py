@@ -5,6 +5,7 @@ PyTorch) and softmax's vectorized exp."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ needs_fma = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX
     ((2, 8), 64, 64),  # two leading dims, panels of 2 vectors
     ((1024,), 16, 16),  # one-vector panels, 128 row tiles: no prefetch (the panel's first stall no longer counts)
 ])
-def test_fma_kernel_matches_float64(lanes, lead, n, k):
+@pytest.mark.parametrize("activation", [None, "relax.nn.gelu"])
+def test_fma_kernel_matches_float64(lanes, lead, n, k, activation):
     import tvm
 
     if n % lanes:
@@ -36,10 +38,12 @@ def test_fma_kernel_matches_float64(lanes, lead, n, k):
     w = rng.standard_normal((k, n), dtype=np.float32)
     b = rng.standard_normal(n, dtype=np.float32)
     packed = np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2))
-    library = tvm.compile(tvm.IRModule({"main": fma.kernel(m, n, k, lanes, lead)}), target=HOST)
+    library = tvm.compile(tvm.IRModule({"main": fma.kernel(m, n, k, lanes, lead, activation)}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
     library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), tvm.runtime.tensor(b), y)
     expected = x.astype(np.float64) @ w.astype(np.float64) + b
+    if activation:
+        expected = expected * (1 + np.vectorize(math.erf)(expected / math.sqrt(2))) / 2
     assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
