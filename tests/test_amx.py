@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,8 +13,9 @@ from tvmbert import amx, targets
 
 
 @needs_amx
-@pytest.mark.parametrize("lead, n, k", [((64,), 96, 64), ((2, 32), 64, 128)])
-def test_amx_kernel_matches_float64(lead, n, k):
+@pytest.mark.parametrize("lead, n, k, activation, residual", [((64,), 96, 64, None, False), ((2, 32), 64, 128, "relax.nn.gelu", False),
+                                                             ((2, 32), 64, 128, None, True)])
+def test_amx_kernel_matches_float64(lead, n, k, activation, residual):
     import ml_dtypes
     import tvm
 
@@ -21,11 +23,18 @@ def test_amx_kernel_matches_float64(lead, n, k):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((*lead, k), dtype=np.float32).astype(ml_dtypes.bfloat16)
     w = rng.standard_normal((k, n), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(n, dtype=np.float32)
     packed = np.ascontiguousarray(w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1))
-    library = tvm.compile(tvm.IRModule({"main": amx.kernel(m, n, k, lead)}), target=targets.resolve("llvm").tvm_target())
+    r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
+    library = tvm.compile(tvm.IRModule({"main": amx.kernel(m, n, k, lead, activation, residual)}),
+                          target=targets.resolve("llvm").tvm_target())
     y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
-    library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), y)
-    expected = x.astype(np.float64) @ w.astype(np.float64)
+    library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b, r)), y)
+    expected = x.astype(np.float64) @ w.astype(np.float64) + b
+    if activation:  # GELU (erf form)
+        expected = expected * (1 + np.vectorize(math.erf)(expected / math.sqrt(2))) / 2
+    if residual:
+        expected = expected + r
     # Products of bf16 values are exact in fp32; only the fp32 accumulation rounds.
     assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
 

@@ -24,8 +24,8 @@ needs_fma = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX
     ((2, 8), 64, 64),  # two leading dims, panels of 2 vectors
     ((1024,), 16, 16),  # one-vector panels, 128 row tiles: no prefetch (the panel's first stall no longer counts)
 ])
-@pytest.mark.parametrize("activation", [None, "relax.nn.gelu"])
-def test_fma_kernel_matches_float64(lanes, lead, n, k, activation):
+@pytest.mark.parametrize("activation, residual", [(None, False), ("relax.nn.gelu", False), (None, True)])
+def test_fma_kernel_matches_float64(lanes, lead, n, k, activation, residual):
     import tvm
 
     if n % lanes:
@@ -38,12 +38,15 @@ def test_fma_kernel_matches_float64(lanes, lead, n, k, activation):
     w = rng.standard_normal((k, n), dtype=np.float32)
     b = rng.standard_normal(n, dtype=np.float32)
     packed = np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2))
-    library = tvm.compile(tvm.IRModule({"main": fma.kernel(m, n, k, lanes, lead, activation)}), target=HOST)
+    r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
+    library = tvm.compile(tvm.IRModule({"main": fma.kernel(m, n, k, lanes, lead, activation, residual)}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
-    library["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(packed), tvm.runtime.tensor(b), y)
+    library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b, r)), y)
     expected = x.astype(np.float64) @ w.astype(np.float64) + b
     if activation:
         expected = expected * (1 + np.vectorize(math.erf)(expected / math.sqrt(2))) / 2
+    if residual:
+        expected = expected + r
     assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
@@ -92,7 +95,7 @@ def test_few_rows_and_a_disabled_pass_keep_the_schedules(tvmbert, workdir):
     assert "fma-fp32" not in outcome.json["passes"]
 
 
-def test_softmax_exp_is_within_one_ulp_and_vectorized():
+def test_softmax_exp_is_within_one_ulp_zero_when_masked_and_vectorized():
     import tvm
     from tvm import te
 
@@ -107,9 +110,11 @@ def test_softmax_exp_is_within_one_ulp_and_vectorized():
     schedule.vectorize(lane)
     library = tvm.compile(schedule.mod, target=HOST)
     inputs = np.linspace(-87, 0, size, dtype=np.float32)
+    inputs[:3] = np.finfo(np.float32).min, -1e4, -87.5  # masked scores: exactly 0, never subnormal
     out = tvm.runtime.tensor(np.zeros(size, "float32"))
     library["main"](tvm.runtime.tensor(inputs), out)
-    exact = np.exp(inputs.astype(np.float64))
-    ulps = np.abs(out.numpy() - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+    assert (out.numpy()[:3] == 0).all()
+    exact = np.exp(inputs[3:].astype(np.float64))
+    ulps = np.abs(out.numpy()[3:] - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
     assert ulps.max() <= 1.0
     assert "expf" not in library.mod.inspect_source("asm")  # no libm call (TVM's exp would call expf per lane)

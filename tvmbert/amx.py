@@ -23,10 +23,13 @@ import ctypes
 import platform
 from functools import lru_cache
 
+from .scalar_math import gelu_float32
+
 FEATURE = "amx-bf16"  # LLVM's name of the target feature the kernel needs
 KERNEL_ATTR = "tvmbert.amx_bf16"  # PrimFunc attribute marking the kernel (build counts them)
 TILE = 32  # M, N and K granularity of the kernel (2 x 2 tiles of 16 x 16 fp32, K in steps of 32 bf16)
 INSTRUCTION = "tdpbf16ps"  # what the kernel's assembly must contain
+ACTIVATIONS = {"relax.nn.gelu": gelu_float32}  # applied as a block is stored (the FFN's GELU)
 
 
 def target_has_amx(target) -> bool:
@@ -66,8 +69,12 @@ def fits(m: int, n: int, k: int) -> bool:
     return m >= 1 and n % TILE == 0 and k % TILE == 0 and n > 0 and k > 0
 
 
-def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, row_chunk_bytes: int = 1 << 20):
-    """The AMX PrimFunc for ``Y[m, n] = X[m, k] @ W[k, n]`` (m, n, k multiples of 32), W packed.
+def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
+           residual: bool = False, row_chunk_bytes: int = 1 << 20):
+    """The AMX PrimFunc for ``Y[m, n] = act(X[m, k] @ W[k, n] + b[n]) (+ R[m, n])`` (m, n, k
+    multiples of 32), W packed, ``act`` one of ``ACTIVATIONS`` or none: bias, activation and
+    residual applied to each 32 x 32 block as it is stored, while it is in L1 (without
+    ``residual``, R is one unread float).
 
     With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead
     of m: the kernels around it see no reshape. Parallel over column blocks of 32; each block runs over all row blocks, keeping a 32 x 32 fp32
@@ -91,14 +98,18 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, row_chun
     def intrin(name, *args):
         return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)
 
+    epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
+
     @T.prim_func(s_tir=True)
     def amx_matmul(x: T.Buffer((*lead, k), "bfloat16"), wp: T.Buffer((n // 16, k // 2, 16, 2), "bfloat16"),
+                   b: T.Buffer((n,), "float32"), r: T.Buffer((*lead, n) if residual else (1,), "float32"),
                    y: T.Buffer((*lead, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("amx_tiles"):  # and a block under it
-                T.reads(whole(x), whole(wp))
+                T.reads(whole(x), whole(wp), whole(b), whole(r))
                 T.writes(whole(y))
+                rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 xu = T.decl_buffer((m, k), "uint16", data=x.data)
                 yf = T.decl_buffer((m, n), "float32", data=y.data)
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
@@ -132,6 +143,12 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, row_chun
                             T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(yf[row, nb * 32 + 16]), T.int64(ldc)))
                             T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(yf[row + 16, nb * 32]), T.int64(ldc)))
                             T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(yf[row + 16, nb * 32 + 16]), T.int64(ldc)))
+                            for i in range(32):
+                                for j in T.vectorized(32):
+                                    if residual:
+                                        yf[row + i, nb * 32 + j] = yf[row + i, nb * 32 + j] + b[nb * 32 + j] + rf[row + i, nb * 32 + j]
+                                    else:
+                                        yf[row + i, nb * 32 + j] = epilogue(yf[row + i, nb * 32 + j] + b[nb * 32 + j])
                         T.evaluate(intrin("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
@@ -151,12 +168,14 @@ def pack_weight(weight):
 def amx_matmuls():
     """The module pass: ``matmul(x_bf16, W_bf16, out_dtype=float32)`` with W a weight (a parameter
     after ``num_input``, or a transpose/cast of one) becomes a call of the AMX kernel on x (padded
-    to a multiple of 32 rows where it is not) and W packed. Matmuls the kernel does not fit (N or K
-    not a multiple of 32, dynamic shapes) are left as they are; matmuls of two activations go back
-    to fp32."""
+    to a multiple of 32 rows where it is not) and W packed, with the bias added after it and the
+    activation after that where there are ones (``kernel_calls.Epilogues``), else a zero bias.
+    Matmuls the kernel does not fit (N or K not a multiple of 32, dynamic shapes) are left as they
+    are; matmuls of two activations go back to fp32."""
+    import numpy as np
     from tvm import relax
 
-    from .kernel_calls import call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
+    from .kernel_calls import Epilogues, call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -164,17 +183,37 @@ def amx_matmuls():
             super().__init__(module)
             self.kernels = {}
             self.weights = set()
+            self.epilogues = None
 
         def start(self, function):
             self.weights = weights_of(function)
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS,
+                                       takes_residual=lambda sizes: row_count(sizes[0]) % TILE == 0)
 
-        def kernel_for(self, n, k):
+        def fits(self, call):
+            sizes = weight_matmul_sizes(call, self.weights)
+            if (sizes is None or str(call.attrs.out_dtype) != "float32" or any(arg.ty.dtype != "bfloat16" for arg in call.args)
+                    or not fits(row_count(sizes[0]), *sizes[1:])):
+                return None
+            return sizes
+
+        def kernel_for(self, n, k, activation, residual):
             def make(m, lead):
-                if (*lead, n, k) not in self.kernels:
-                    name = "amx_bf16_matmul_" + "x".join(str(d) for d in (*lead, n, k))
-                    self.kernels[(*lead, n, k)] = self.builder_.add_func(kernel(m, n, k, lead).without_attr("global_symbol"), name)
-                return self.kernels[(*lead, n, k)]
+                key = (*lead, n, k, activation, residual)
+                if key not in self.kernels:
+                    name = "amx_bf16_matmul_" + "x".join(str(d) for d in (*lead, n, k)) \
+                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "")
+                    self.kernels[key] = self.builder_.add_func(
+                        kernel(m, n, k, lead, activation, residual).without_attr("global_symbol"), name)
+                return self.kernels[key]
             return make
+
+        def call_kernel(self, x, weight, bias, sizes, activation, residual):
+            lead, n, k = sizes
+            packed = self.builder_.emit(pack_weight(weight))
+            operands = [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
+            return call_with_padded_rows(self.builder_, self.kernel_for(n, k, activation, residual is not None), x, operands,
+                                         lead, n, k, TILE)
 
         def in_float32(self, call):
             """A matmul of two activations (attention's) the kernel does not take: back to fp32
@@ -188,21 +227,21 @@ def amx_matmuls():
                 sources.append(bound.args[0])
             return relax.op.matmul(*sources, out_dtype="float32")
 
+        def visit_var_binding_(self, binding):
+            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
+                super().visit_var_binding_(binding)
+
         def visit_call_(self, call):
             call = super().visit_call_(call)
             if getattr(call.op, "name", None) != "relax.matmul" or len(call.args) != 2:
                 return call
-            lhs, rhs = call.args
-            if rhs not in self.weights:
+            if call.args[1] not in self.weights:
                 return self.in_float32(call)
-            sizes = weight_matmul_sizes(call, self.weights)
-            if (sizes is None or str(call.attrs.out_dtype) != "float32"
-                    or any(arg.ty.dtype != "bfloat16" for arg in (lhs, rhs)) or not fits(row_count(sizes[0]), *sizes[1:])):
+            sizes = self.fits(call)
+            if sizes is None:
                 return call
-            lead, n, k = sizes
-            packed = self.builder_.emit(pack_weight(rhs))
-            self.weights.add(packed)
-            return call_with_padded_rows(self.builder_, self.kernel_for(n, k), lhs, [packed], lead, n, k, TILE)
+            zero_bias = relax.const(np.zeros(sizes[1], "float32"))
+            return self.call_kernel(*call.args, zero_bias, sizes, None, None)
 
     return function_pass("AmxBf16Matmuls", Rewriter)
 

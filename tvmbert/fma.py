@@ -50,14 +50,18 @@ def lanes_of(tvm_target) -> int:
     return 8 if target_has_features(["avx2", "fma"], tvm_target) else 0
 
 
-def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None):
-    """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n])`` with W packed as
-    ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) a multiple of the tile's rows;
-    ``act`` one of ``ACTIVATIONS`` or none."""
+def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
+           residual: bool = False):
+    """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
+    packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) a multiple of the
+    tile's rows; ``act`` one of ``ACTIVATIONS`` or none; without ``residual``, r is one unread
+    float."""
     import tvm
     from tvm.script import tirx as T
 
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
+    lead = tuple(lead) if lead else (m,)
+    residual_shape = (*lead, n) if residual else (1,)
 
     rows, vectors = tile(n, lanes)
     assert m % rows == 0, (m, rows)
@@ -70,7 +74,6 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles
     # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
-    lead = tuple(lead) if lead else (m,)
     line_floats = CACHE_LINE // 4
 
     def whole(buffer):
@@ -82,13 +85,14 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
     @T.prim_func(s_tir=True)
     def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
-                   b: T.Buffer((n,), "float32"), y: T.Buffer((*lead, n), "float32")):
+                   b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"), y: T.Buffer((*lead, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("fma_tiles"):  # and a block under it
-                T.reads(whole(x), whole(wp), whole(b))
+                T.reads(whole(x), whole(wp), whole(b), whole(r))
                 T.writes(whole(y))
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
+                rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 yf = T.decl_buffer((m, n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "float32", data=wp.data)
                 for p in T.parallel(panels):
@@ -111,7 +115,12 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                         for i in T.unroll(rows):
                             for v in T.unroll(vectors):
                                 for j in T.vectorized(lanes):
-                                    yf[t * rows + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+                                    if residual:
+                                        yf[t * rows + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
+                                            + b[p * width + v * lanes + j] + rf[t * rows + i, p * width + v * lanes + j]
+                                    else:
+                                        yf[t * rows + i, p * width + v * lanes + j] = epilogue(
+                                            acc[i, v * lanes + j] + b[p * width + v * lanes + j])
 
     assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
     return fma_matmul
@@ -129,10 +138,12 @@ def pack_weight(weight, width: int):
 def fma_matmuls(lanes: int):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
     ``MIN_ROWS`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
-    call of the kernel on W packed. Everything else is left as it is."""
+    call of the kernel on W packed, with the activation after it where there is one
+    or the residual add (``kernel_calls.Epilogues``). Everything else is left as it is."""
+    import numpy as np
     from tvm import relax
 
-    from .kernel_calls import call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
+    from .kernel_calls import Epilogues, call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -140,82 +151,41 @@ def fma_matmuls(lanes: int):
             super().__init__(module)
             self.kernels = {}
             self.weights = set()
-            self.biased = {}  # the add's var -> (matmul, bias, sizes)
+            self.epilogues = None
 
         def start(self, function):
             self.weights = weights_of(function)
-            bindings = [b for block in function.body.blocks for b in block.bindings]
-            uses: dict = {}
-            for value in [b.value for b in bindings] + [function.body.body]:
-                for var in relax.analysis.free_vars(value):
-                    uses[var] = uses.get(var, 0) + 1
-            values = {b.var: b.value for b in bindings}
-            self.biased, self.activations, self.activated = {}, {}, {}
-            for binding in bindings:
-                if (not isinstance(binding.var, relax.DataflowVar)  # a block's output keeps its binding
-                        or getattr(getattr(binding.value, "op", None), "name", None) != "relax.add"):
-                    continue
-                for product, bias in (binding.value.args, binding.value.args[::-1]):
-                    sizes = self.fits(values.get(product))
-                    if (sizes and uses.get(product) == 1 and bias in self.weights and bias.ty.dtype == "float32"
-                            and [int(d) for d in bias.ty.shape] == [sizes[1]]):
-                        self.biased[binding.var] = (values[product], bias, sizes)
-                        break
-            # act(reshape(add(matmul, bias))) (the FFN's GELU, on a 3-D view of the 2-D product):
-            # the activation moves into the kernel, the reshape after it.
-            for binding in bindings:
-                op = getattr(getattr(binding.value, "op", None), "name", None)
-                if op not in ACTIVATIONS or not isinstance(binding.var, relax.DataflowVar):
-                    continue
-                view = binding.value.args[0]
-                reshape = values.get(view)
-                if (getattr(getattr(reshape, "op", None), "name", None) == "relax.reshape" and uses.get(view) == 1
-                        and reshape.args[0] in self.biased and uses.get(reshape.args[0]) == 1):
-                    self.activations[reshape.args[0]] = op
-                    self.activated[binding.var] = reshape.args[0]
-            # ... and a reshape of it back to the product's shape is the product itself (fused with
-            # the other reshape, the pair would be a copy kernel).
-            for binding in bindings:
-                value = binding.value
-                if (getattr(getattr(value, "op", None), "name", None) == "relax.reshape" and value.args[0] in self.activated
-                        and uses.get(value.args[0]) == 1
-                        and list(binding.var.ty.shape) == list(self.activated[value.args[0]].ty.shape)):
-                    self.activated[binding.var] = self.activated[value.args[0]]
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS,
+                                       takes_residual=lambda sizes: row_count(sizes[0]) % tile(sizes[1], lanes)[0] == 0)
 
         def fits(self, call):
-            if not isinstance(call, relax.Call):
-                return None
             sizes = weight_matmul_sizes(call, self.weights)
             if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
                 return None
             lead, n, _ = sizes
             return sizes if row_count(lead) >= MIN_ROWS and tile(n, lanes) is not None else None
 
-        def kernel_for(self, n, k, activation):
+        def kernel_for(self, n, k, activation, residual):
             def make(m, lead):
-                key = (*lead, n, k, activation)
+                key = (*lead, n, k, activation, residual)
                 if key not in self.kernels:
                     name = "fma_matmul_" + "x".join(str(d) for d in (*lead, n, k)) \
-                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "")
+                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "")
                     self.kernels[key] = self.builder_.add_func(
-                        kernel(m, n, k, lanes, lead, activation).without_attr("global_symbol"), name)
+                        kernel(m, n, k, lanes, lead, activation, residual).without_attr("global_symbol"), name)
                 return self.kernels[key]
             return make
 
+        def call_kernel(self, x, weight, bias, sizes, activation, residual):
+            lead, n, k = sizes
+            rows, vectors = tile(n, lanes)
+            packed = self.builder_.emit(pack_weight(weight, vectors * lanes))
+            operands = [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
+            return call_with_padded_rows(self.builder_, self.kernel_for(n, k, activation, residual is not None), x, operands,
+                                         lead, n, k, rows)
+
         def visit_var_binding_(self, binding):
-            if binding.var in self.activated:  # the activation ran in the kernel: only the reshape is left
-                product = self.visit_expr(self.activated[binding.var])
-                same = list(binding.var.ty.shape) == list(self.activated[binding.var].ty.shape)
-                self.set_var_remap(binding.var, product if same else self.builder_.emit(relax.op.reshape(product, binding.var.ty.shape)))
-                return None
-            if binding.var not in self.biased:
-                return super().visit_var_binding_(binding)
-            matmul, bias, (lead, n, k) = self.biased[binding.var]
-            x, weight = (self.visit_expr(arg) for arg in matmul.args)
-            packed = self.builder_.emit(pack_weight(weight, tile(n, lanes)[1] * lanes))
-            call = call_with_padded_rows(self.builder_, self.kernel_for(n, k, self.activations.get(binding.var)), x,
-                                         [packed, self.visit_expr(bias)], lead, n, k, tile(n, lanes)[0])
-            self.set_var_remap(binding.var, self.builder_.emit(call))
-            return None
+            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
+                super().visit_var_binding_(binding)
 
     return function_pass("FmaFp32Matmuls", Rewriter)

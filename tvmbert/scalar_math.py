@@ -42,12 +42,14 @@ def gelu_float32(x):
 def exp_float32(x):
     """exp as Cephes' ``expf``: x = n ln2 + r (ln2 split in two constants), the polynomial in r,
     2^n written into the exponent bits. Within 1 ulp of the exact value on [-87, 0] (measured:
-    0.99 ulp; TVM's ``fast_exp`` 4.5 ulp). Inputs are clamped to [-87, 88], where float32 neither
-    overflows nor goes subnormal."""
+    0.99 ulp; TVM's ``fast_exp`` 4.5 ulp); 0 below -87, where the exact value is subnormal (a
+    masked attention score, ~-3.4e38: a subnormal probability would slow every multiply by it
+    ~100-fold, bert-base 8 x 128 with half the tokens masked ran 2.2x slower); 88 at most."""
     from tvm import tirx
 
-    x = tirx.max(tirx.min(x, _const(88.0)), _const(-87.0))
-    n = tirx.floor(x * _const(1.44269504088896341) + _const(0.5))
-    r = x - n * _const(0.693359375) - n * _const(-2.12194440e-4)
+    clamped = tirx.max(tirx.min(x, _const(88.0)), _const(-87.0))
+    n = tirx.floor(clamped * _const(1.44269504088896341) + _const(0.5))
+    r = clamped - n * _const(0.693359375) - n * _const(-2.12194440e-4)
     power_of_two = tirx.reinterpret("float32", (n.astype("int32") + 127) << 23)
-    return (_horner(r, EXP_POLYNOMIAL) * r * r + r + _const(1.0)) * power_of_two
+    value = (_horner(r, EXP_POLYNOMIAL) * r * r + r + _const(1.0)) * power_of_two
+    return tirx.Select(x < _const(-87.0), _const(0.0), value)
