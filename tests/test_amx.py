@@ -13,9 +13,13 @@ from tvmbert import amx, targets
 
 
 @needs_amx
-@pytest.mark.parametrize("lead, n, k, activation, residual", [((64,), 96, 64, None, False), ((2, 32), 64, 128, "relax.nn.gelu", False),
-                                                             ((2, 32), 64, 128, None, True)])
-def test_amx_kernel_matches_float64(lead, n, k, activation, residual):
+@pytest.mark.parametrize("lead, n, k, activation, residual, out_dtype", [
+    ((64,), 96, 64, None, False, "float32"),
+    ((2, 32), 64, 128, "relax.nn.gelu", False, "float32"),
+    ((2, 32), 64, 128, None, True, "float32"),
+    ((64,), 96, 64, "relax.nn.gelu", False, "bfloat16"),  # written in bf16 for the next matmul
+])
+def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype):
     import ml_dtypes
     import tvm
 
@@ -26,17 +30,18 @@ def test_amx_kernel_matches_float64(lead, n, k, activation, residual):
     b = rng.standard_normal(n, dtype=np.float32)
     packed = np.ascontiguousarray(w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1))
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
-    library = tvm.compile(tvm.IRModule({"main": amx.kernel(m, n, k, lead, activation, residual)}),
+    library = tvm.compile(tvm.IRModule({"main": amx.kernel(m, n, k, lead, activation, residual, out_dtype)}),
                           target=targets.resolve("llvm").tvm_target())
-    y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
+    y = tvm.runtime.tensor(np.zeros((*lead, n), ml_dtypes.bfloat16 if out_dtype == "bfloat16" else "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b, r)), y)
     expected = x.astype(np.float64) @ w.astype(np.float64) + b
     if activation:  # GELU (erf form)
         expected = expected * (1 + np.vectorize(math.erf)(expected / math.sqrt(2))) / 2
     if residual:
         expected = expected + r
-    # Products of bf16 values are exact in fp32; only the fp32 accumulation rounds.
-    assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
+    # Products of bf16 values are exact in fp32; only the fp32 accumulation rounds (and the bf16 output).
+    tolerance = 2.0 ** -8 if out_dtype == "bfloat16" else 1e-5
+    assert np.abs(y.numpy().astype(np.float64) - expected).max() <= tolerance * np.abs(expected).max()
 
 
 @needs_amx

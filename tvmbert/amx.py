@@ -70,11 +70,12 @@ def fits(m: int, n: int, k: int) -> bool:
 
 
 def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, row_chunk_bytes: int = 1 << 20):
+           residual: bool = False, out_dtype: str = "float32", row_chunk_bytes: int = 1 << 20):
     """The AMX PrimFunc for ``Y[m, n] = act(X[m, k] @ W[k, n] + b[n]) (+ R[m, n])`` (m, n, k
     multiples of 32), W packed, ``act`` one of ``ACTIVATIONS`` or none: bias, activation and
     residual applied to each 32 x 32 block as it is stored, while it is in L1 (without
-    ``residual``, R is one unread float).
+    ``residual``, R is one unread float), and Y written in ``out_dtype`` (bfloat16 where the next
+    matmul reads it: no cast kernel over it).
 
     With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead
     of m: the kernels around it see no reshape. Parallel over column blocks of 32; each block runs over all row blocks, keeping a 32 x 32 fp32
@@ -84,7 +85,7 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
     from tvm.script import tirx as T
 
     assert m % TILE == 0 and n % TILE == 0 and k % TILE == 0, (m, n, k)
-    lda, ldc = k * 2, n * 4  # row strides in bytes: X in bf16, Y in fp32
+    lda = k * 2  # row stride of X (bf16) in bytes
     row_blocks, col_blocks, k_blocks = m // TILE, n // TILE, k // TILE
     lead = tuple(lead) if lead else (m,)
     # Rows in chunks whose X (bf16) fits a core's L2 (SPR: 2 MiB): all column blocks of a chunk,
@@ -103,7 +104,7 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
     @T.prim_func(s_tir=True)
     def amx_matmul(x: T.Buffer((*lead, k), "bfloat16"), wp: T.Buffer((n // 16, k // 2, 16, 2), "bfloat16"),
                    b: T.Buffer((n,), "float32"), r: T.Buffer((*lead, n) if residual else (1,), "float32"),
-                   y: T.Buffer((*lead, n), "float32")):
+                   y: T.Buffer((*lead, n), out_dtype)):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("amx_tiles"):  # and a block under it
@@ -111,19 +112,20 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
                 T.writes(whole(y))
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 xu = T.decl_buffer((m, k), "uint16", data=x.data)
-                yf = T.decl_buffer((m, n), "float32", data=y.data)
+                yf = T.decl_buffer((m, n), out_dtype, data=y.data)
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
                 for mc in range(row_blocks // chunk):
                     for nb in T.parallel(col_blocks):
                         # Tile configuration: palette 1, 8 tiles of 16 rows x 64 bytes.
                         cfg = T.alloc_buffer((64,), "uint8", scope="local")
-                        for b in range(64):
-                            cfg[b] = T.uint8(0)
+                        for byte in range(64):
+                            cfg[byte] = T.uint8(0)
                         cfg[0] = T.uint8(1)
                         for t in range(8):
                             cfg[16 + 2 * t] = T.uint8(64)
                             cfg[48 + t] = T.uint8(16)
                         T.evaluate(intrin("ldtilecfg", T.address_of(cfg[0])))
+                        block = T.alloc_buffer((32, 32), "float32", scope="local")  # the 2 x 2 tiles, stored
                         for mi in range(chunk):
                             row = (mc * chunk + mi) * 32
                             T.evaluate(intrin("tilezero", T.int8(0)))
@@ -139,16 +141,16 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
                                 T.evaluate(intrin("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
                                 T.evaluate(intrin("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
                                 T.evaluate(intrin("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
-                            T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(yf[row, nb * 32]), T.int64(ldc)))
-                            T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(yf[row, nb * 32 + 16]), T.int64(ldc)))
-                            T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(yf[row + 16, nb * 32]), T.int64(ldc)))
-                            T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(yf[row + 16, nb * 32 + 16]), T.int64(ldc)))
+                            T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(block[0, 0]), T.int64(128)))
+                            T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(block[0, 16]), T.int64(128)))
+                            T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(block[16, 0]), T.int64(128)))
+                            T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(block[16, 16]), T.int64(128)))
                             for i in range(32):
                                 for j in T.vectorized(32):
                                     if residual:
-                                        yf[row + i, nb * 32 + j] = yf[row + i, nb * 32 + j] + b[nb * 32 + j] + rf[row + i, nb * 32 + j]
+                                        yf[row + i, nb * 32 + j] = T.Cast(out_dtype, block[i, j] + b[nb * 32 + j] + rf[row + i, nb * 32 + j])
                                     else:
-                                        yf[row + i, nb * 32 + j] = epilogue(yf[row + i, nb * 32 + j] + b[nb * 32 + j])
+                                        yf[row + i, nb * 32 + j] = T.Cast(out_dtype, epilogue(block[i, j] + b[nb * 32 + j]))
                         T.evaluate(intrin("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
@@ -188,7 +190,8 @@ def amx_matmuls():
         def start(self, function):
             self.weights = weights_of(function)
             self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS,
-                                       takes_residual=lambda sizes: row_count(sizes[0]) % TILE == 0)
+                                       takes_residual=lambda sizes: row_count(sizes[0]) % TILE == 0,
+                                       output_dtypes=("bfloat16",))
 
         def fits(self, call):
             sizes = weight_matmul_sizes(call, self.weights)
@@ -197,23 +200,24 @@ def amx_matmuls():
                 return None
             return sizes
 
-        def kernel_for(self, n, k, activation, residual):
+        def kernel_for(self, n, k, activation, residual, out_dtype):
             def make(m, lead):
-                key = (*lead, n, k, activation, residual)
+                key = (*lead, n, k, activation, residual, out_dtype)
                 if key not in self.kernels:
                     name = "amx_bf16_matmul_" + "x".join(str(d) for d in (*lead, n, k)) \
-                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "")
+                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "") \
+                        + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
                     self.kernels[key] = self.builder_.add_func(
-                        kernel(m, n, k, lead, activation, residual).without_attr("global_symbol"), name)
+                        kernel(m, n, k, lead, activation, residual, out_dtype).without_attr("global_symbol"), name)
                 return self.kernels[key]
             return make
 
-        def call_kernel(self, x, weight, bias, sizes, activation, residual):
+        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
             lead, n, k = sizes
             packed = self.builder_.emit(pack_weight(weight))
             operands = [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
-            return call_with_padded_rows(self.builder_, self.kernel_for(n, k, activation, residual is not None), x, operands,
-                                         lead, n, k, TILE)
+            return call_with_padded_rows(self.builder_, self.kernel_for(n, k, activation, residual is not None, out_dtype), x,
+                                         operands, lead, n, k, TILE, out_dtype)
 
         def in_float32(self, call):
             """A matmul of two activations (attention's) the kernel does not take: back to fp32
@@ -241,7 +245,7 @@ def amx_matmuls():
             if sizes is None:
                 return call
             zero_bias = relax.const(np.zeros(sizes[1], "float32"))
-            return self.call_kernel(*call.args, zero_bias, sizes, None, None)
+            return self.call_kernel(*call.args, zero_bias, sizes, None, None, "float32")
 
     return function_pass("AmxBf16Matmuls", Rewriter)
 

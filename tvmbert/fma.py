@@ -176,7 +176,8 @@ def fma_matmuls(lanes: int):
                 return self.kernels[key]
             return make
 
-        def call_kernel(self, x, weight, bias, sizes, activation, residual):
+        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
+            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
             lead, n, k = sizes
             rows, vectors = tile(n, lanes)
             packed = self.builder_.emit(pack_weight(weight, vectors * lanes))

@@ -45,7 +45,8 @@ def row_count(lead) -> int:
     return count
 
 
-def call_with_padded_rows(builder, kernel_for, x, operands, lead, n: int, k: int, row_multiple: int):
+def call_with_padded_rows(builder, kernel_for, x, operands, lead, n: int, k: int, row_multiple: int,
+                          out_dtype: str = "float32"):
     """``kernel_for(m, lead)(x, *operands) -> y[*lead, n]``. Where the rows (the product of
     ``lead``) are a multiple of ``row_multiple``, x and y keep their shapes (the kernels around
     see no reshape); otherwise x is flattened and padded with zero rows and y sliced back."""
@@ -53,11 +54,11 @@ def call_with_padded_rows(builder, kernel_for, x, operands, lead, n: int, k: int
 
     m = row_count(lead)
     if m % row_multiple == 0:
-        return relax.call_tir(kernel_for(m, lead), [x, *operands], relax.TensorType((*lead, n), "float32"))
+        return relax.call_tir(kernel_for(m, lead), [x, *operands], relax.TensorType((*lead, n), out_dtype))
     padded = -(-m // row_multiple) * row_multiple
     emit = builder.emit
     flat = emit(relax.op.nn.pad(emit(relax.op.reshape(x, (m, k))), [0, padded - m, 0, 0]))
-    y = emit(relax.call_tir(kernel_for(padded, (padded,)), [flat, *operands], relax.TensorType((padded, n), "float32")))
+    y = emit(relax.call_tir(kernel_for(padded, (padded,)), [flat, *operands], relax.TensorType((padded, n), out_dtype)))
     y = emit(relax.op.strided_slice(y, axes=[0], begin=[0], end=[m]))
     return relax.op.reshape(y, (*lead, n))
 
@@ -100,10 +101,13 @@ class Epilogues:
     the attention output's and the FFN's: bert-base 8 x 128 spent 0.36 ms x 24 on them), where
     ``takes_residual(sizes)`` (the kernel adds it as it stores, and the rows need no padding).
 
+    And a cast of the (activated) sum to one of ``output_dtypes``, its only use, makes the kernel
+    write that dtype (bf16 for the next matmul: no cast kernel over the FFN's activations).
+
     ``fits(call)`` says which matmuls the kernel takes (their sizes, or None); the rewriter calls
     ``visit_binding`` first for every binding and emits nothing more where it returns True."""
 
-    def __init__(self, function, weights: set, fits, activations, takes_residual):
+    def __init__(self, function, weights: set, fits, activations, takes_residual, output_dtypes=()):
         from tvm import relax
 
         bindings = [b for block in function.body.blocks for b in block.bindings]
@@ -121,6 +125,7 @@ class Epilogues:
         self.activation = {}  # the add's var -> the activation's op
         self.activated = {}  # var -> the add's var whose kernel result it is (reshaped)
         self.residual = {}  # the add's var -> the residual added to it
+        self.out_dtype = {}  # the add's var -> the dtype its kernel writes, where not float32
         self.skipped = set()  # views of a sum only its residual add used: nothing to emit
         for binding in bindings:
             if not isinstance(binding.var, relax.DataflowVar) or op_of(binding.value) != "relax.add":
@@ -158,10 +163,21 @@ class Epilogues:
             if (source in self.activated and uses.get(source) == 1
                     and list(binding.var.ty.shape) == list(self.activated[source].ty.shape)):
                 self.activated[binding.var] = self.activated[source]
+        for binding in bindings:
+            source = binding.value.args[0] if op_of(binding.value) == "relax.astype" else None
+            if source is None or str(binding.value.attrs.dtype) not in output_dtypes or uses.get(source) != 1:
+                continue
+            total = source if source in self.biased else self.activated.get(source)
+            if total is None or total in self.residual or not isinstance(binding.var, relax.DataflowVar):
+                continue
+            self.out_dtype[total] = str(binding.value.attrs.dtype)
+            if source is not total:
+                self.skipped.add(source)
+            self.activated[binding.var] = total
 
     def visit_binding(self, mutator, binding, call_kernel) -> bool:
-        """``call_kernel(x, weight, bias, sizes, activation, residual) -> call`` for an add this
-        folds (residual: the residual as [*lead, n], or None)."""
+        """``call_kernel(x, weight, bias, sizes, activation, residual, out_dtype) -> call`` for an
+        add this folds (residual: the residual as [*lead, n], or None)."""
         from tvm import relax
 
         if binding.var in self.products or binding.var in self.skipped:
@@ -179,6 +195,7 @@ class Epilogues:
         residual = self.residual.get(binding.var)
         if residual is not None:
             residual = mutator.builder_.emit(relax.op.reshape(mutator.visit_expr(residual), (*sizes[0], sizes[1])))
-        call = call_kernel(x, weight, mutator.visit_expr(bias), sizes, self.activation.get(binding.var), residual)
+        call = call_kernel(x, weight, mutator.visit_expr(bias), sizes, self.activation.get(binding.var), residual,
+                           self.out_dtype.get(binding.var, "float32"))
         mutator.set_var_remap(binding.var, mutator.builder_.emit(call))
         return True
