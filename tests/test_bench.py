@@ -55,7 +55,10 @@ def test_a_wrong_engine_is_reported_not_timed():
 def test_ratio_is_tvm_over_the_best_other():
     engines = {"tvm": {"median_ms": 9.0}, "torch-eager": {"median_ms": 30.0}, "onnxruntime": {"median_ms": 10.0},
                "torch-compile": {"skipped": "not installed"}}
-    assert _ratios(engines) == {"ratio": 0.9, "best_other": "onnxruntime", "speedup": 3.333}
+    assert _ratios(engines) == {"ratio": 0.9, "best_other": "onnxruntime", "speedup": 3.333, "packed_speedup": None}
+    # The packed build is tvm's own other build, never the best other engine.
+    engines["tvm-packed"] = {"median_ms": 4.5}
+    assert _ratios(engines) == {"ratio": 0.9, "best_other": "onnxruntime", "speedup": 3.333, "packed_speedup": 2.0}
 
 
 def test_bad_bench_options(tvmbert):
