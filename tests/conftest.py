@@ -45,8 +45,8 @@ def tvmbert(capsys, workdir):
     return run
 
 
-# 13 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
-SMALL_TUNE = ("--trials", "52", "--trials-per-task", "4")
+# 12 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
+SMALL_TUNE = ("--trials", "48", "--trials-per-task", "4")
 
 
 @pytest.fixture(scope="session")
