@@ -177,13 +177,23 @@ def amx_matmuls():
     import numpy as np
     from tvm import relax
 
-    from .kernel_calls import Epilogues, call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
+    from .kernel_calls import (
+        Epilogues,
+        KernelFunctions,
+        call_with_padded_rows,
+        function_pass,
+        kernel_operands,
+        row_count,
+        weight_matmul_sizes,
+        weights_of,
+    )
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
         def __init__(self, module):
             super().__init__(module)
-            self.kernels = {}
+            self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype:
+                                           kernel(m, n, k, lead, activation, residual, out_dtype))
             self.weights = set()
             self.epilogues = None
 
@@ -200,24 +210,12 @@ def amx_matmuls():
                 return None
             return sizes
 
-        def kernel_for(self, n, k, activation, residual, out_dtype):
-            def make(m, lead):
-                key = (*lead, n, k, activation, residual, out_dtype)
-                if key not in self.kernels:
-                    name = "amx_bf16_matmul_" + "x".join(str(d) for d in (*lead, n, k)) \
-                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "") \
-                        + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
-                    self.kernels[key] = self.builder_.add_func(
-                        kernel(m, n, k, lead, activation, residual, out_dtype).without_attr("global_symbol"), name)
-                return self.kernels[key]
-            return make
-
         def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
             lead, n, k = sizes
             packed = self.builder_.emit(pack_weight(weight))
-            operands = [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
-            return call_with_padded_rows(self.builder_, self.kernel_for(n, k, activation, residual is not None, out_dtype), x,
-                                         operands, lead, n, k, TILE, out_dtype)
+            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
+            return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(packed, bias, residual), lead, n, k, TILE,
+                                         out_dtype)
 
         def in_float32(self, call):
             """A matmul of two activations (attention's) the kernel does not take: back to fp32

@@ -141,16 +141,25 @@ def fma_matmuls(lanes: int):
     ``MIN_ROWS`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
     call of the kernel on W packed, together with the activation or the residual add that follows
     it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
-    import numpy as np
     from tvm import relax
 
-    from .kernel_calls import Epilogues, call_with_padded_rows, function_pass, row_count, weight_matmul_sizes, weights_of
+    from .kernel_calls import (
+        Epilogues,
+        KernelFunctions,
+        call_with_padded_rows,
+        function_pass,
+        kernel_operands,
+        row_count,
+        weight_matmul_sizes,
+        weights_of,
+    )
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
         def __init__(self, module):
             super().__init__(module)
-            self.kernels = {}
+            self.kernels = KernelFunctions("fma_matmul_", lambda m, lead, n, k, activation, residual, _:
+                                           kernel(m, n, k, lanes, lead, activation, residual))
             self.weights = set()
             self.epilogues = None
 
@@ -166,25 +175,13 @@ def fma_matmuls(lanes: int):
             lead, n, _ = sizes
             return sizes if row_count(lead) >= MIN_ROWS and tile(n, lanes) is not None else None
 
-        def kernel_for(self, n, k, activation, residual):
-            def make(m, lead):
-                key = (*lead, n, k, activation, residual)
-                if key not in self.kernels:
-                    name = "fma_matmul_" + "x".join(str(d) for d in (*lead, n, k)) \
-                        + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "")
-                    self.kernels[key] = self.builder_.add_func(
-                        kernel(m, n, k, lanes, lead, activation, residual).without_attr("global_symbol"), name)
-                return self.kernels[key]
-            return make
-
         def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
             assert out_dtype == "float32"  # no output_dtypes given to Epilogues
             lead, n, k = sizes
             rows, vectors = tile(n, lanes)
             packed = self.builder_.emit(pack_weight(weight, vectors * lanes))
-            operands = [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
-            return call_with_padded_rows(self.builder_, self.kernel_for(n, k, activation, residual is not None), x, operands,
-                                         lead, n, k, rows)
+            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
+            return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(packed, bias, residual), lead, n, k, rows)
 
         def visit_var_binding_(self, binding):
             if not self.epilogues.visit_binding(self, binding, self.call_kernel):

@@ -199,3 +199,34 @@ class Epilogues:
                            self.out_dtype.get(binding.var, "float32"))
         mutator.set_var_remap(binding.var, mutator.builder_.emit(call))
         return True
+
+
+class KernelFunctions:
+    """The PrimFuncs a rewrite adds to the module: one per shape and epilogue, made by
+    ``make(m, lead, n, k, activation, residual, out_dtype)`` once and named after what it does
+    (``<prefix><lead>x<n>x<k>[_gelu][_residual][_to_bfloat16]``)."""
+
+    def __init__(self, prefix: str, make):
+        self.prefix, self.make, self.added = prefix, make, {}
+
+    def for_sizes(self, builder, n: int, k: int, activation: str | None, residual: bool, out_dtype: str):
+        """``kernel_for(m, lead)`` as ``call_with_padded_rows`` takes it."""
+        def kernel_for(m, lead):
+            key = (*lead, n, k, activation, residual, out_dtype)
+            if key not in self.added:
+                name = self.prefix + "x".join(str(d) for d in (*lead, n, k)) \
+                    + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "") \
+                    + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
+                function = self.make(m, lead, n, k, activation, residual, out_dtype)
+                self.added[key] = builder.add_func(function.without_attr("global_symbol"), name)
+            return self.added[key]
+        return kernel_for
+
+
+def kernel_operands(packed, bias, residual) -> list:
+    """What the kernels take after x: the packed weight, the bias and the residual, or in its
+    place the one unread float their signature keeps for it."""
+    import numpy as np
+    from tvm import relax
+
+    return [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
