@@ -258,6 +258,12 @@ def fma_fp32_matmuls(target_text: str):
     return fma_matmuls(_fma_lanes(target_text))
 
 
+def attention_fp32(target_text: str):
+    from .attention import attention_rewrite
+
+    return attention_rewrite(_fma_lanes(target_text))
+
+
 def fast_math():
     """Opt-in approximations: GELU as its tanh form, and TVM's fast exp/erf/tanh/softmax.
 
@@ -411,6 +417,10 @@ PASSES = (
     # with enough rows to be compute-bound call our FMA micro-kernel (tvmbert/fma.py), their
     # weights packed in its panels by bind-params.
     GraphPass("fma-fp32", lambda t, dtype, target: [fma_fp32_matmuls(target)], added_by=lambda config: uses_fma_kernel(config),
+              per_target=True),
+    # Added with fma-fp32: each layer's attention (Q K^T, scale, mask, softmax, P V and the head
+    # transposes around them) becomes one call of our kernel (tvmbert/attention.py).
+    GraphPass("attention-fp32", lambda t, dtype, target: [attention_fp32(target)], added_by=lambda config: uses_fma_kernel(config),
               per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while

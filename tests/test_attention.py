@@ -1,0 +1,123 @@
+"""fp32 attention as one kernel: its numerics against float64 (masks of every broadcast, a fused
+Q/K/V projection's columns and separate operands, a fully masked row), and bert-tiny through it
+against PyTorch, where it applies and where it does not."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tvmbert import attention, fma, targets
+
+HOST = targets.resolve("llvm").tvm_target()
+HOST_LANES = fma.lanes_of(HOST)
+needs_simd = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
+MASKED = np.finfo(np.float32).min  # what transformers adds for a masked key
+
+
+def _reference(q, k, v, mask, scale):
+    scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) * scale
+    if mask is not None:
+        scores = scores + mask
+    scores = np.exp(scores - scores.max(-1, keepdims=True))
+    return (scores / scores.sum(-1, keepdims=True)) @ v.astype(np.float64)
+
+
+def _heads(columns, batch, seq, heads, dim, offset):  # [B * S, C] columns -> [B, H, S, D]
+    return columns[:, offset:offset + heads * dim].reshape(batch, seq, heads, dim).transpose(0, 2, 1, 3)
+
+
+@needs_simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64)])
+@pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_shape, fused):
+    import tvm
+
+    rng = np.random.default_rng(0)
+    width = heads * dim
+    scale = 1 / np.sqrt(dim) if fused else None
+    if fused:  # one [tokens, 3 x heads x dim] projection (plus a column more), Q, K and V at offsets
+        columns = rng.standard_normal((batch * seq, 3 * width + lanes), dtype=np.float32)
+        operands = [columns] * 3
+        sources = [(3 * width + lanes, lanes + i * width) for i in range(3)]
+    else:
+        operands = [rng.standard_normal((batch * seq, width), dtype=np.float32) for _ in range(3)]
+        sources = [(width, 0)] * 3
+    q, k, v = (_heads(a, batch, seq, heads, dim, offset) for a, (_, offset) in zip(operands, sources))
+    mask = None
+    if mask_shape:
+        shape = (batch, 1, 1, seq) if mask_shape == "keys" else (batch, 1, seq, seq)
+        mask = np.where(rng.random(shape) < 0.3, MASKED, 0).astype(np.float32)
+        mask[..., 0] = 0  # every row keeps a key (the all-masked row has its own test)
+    library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, lanes, sources,
+                                                                  mask.shape if mask is not None else None, scale)}),
+                          target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    placeholder = mask if mask is not None else np.zeros(1, "float32")
+    library["main"](*(tvm.runtime.tensor(a) for a in (*operands, placeholder)), y)
+    expected = _reference(q, k, v, mask, scale if scale is not None else 1.0).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(y.numpy(), expected, atol=2e-6, rtol=1e-5)
+    assert "expf" not in library.mod.inspect_source("asm")  # the softmax's exp is the vectorized polynomial
+
+
+@needs_simd
+def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does():
+    import torch
+    import tvm
+
+    batch, heads, seq, dim = 1, 2, 16, 16
+    rng = np.random.default_rng(1)
+    columns = rng.standard_normal((seq, 3 * heads * dim), dtype=np.float32)
+    mask = np.zeros((batch, 1, seq, seq), np.float32)
+    mask[0, 0, 3] = MASKED
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, mask.shape, 0.25)}),
+                          target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask)), y)
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(_heads(columns, batch, seq, heads, dim, o))) for _, o in sources)
+    expected = torch.softmax(q @ k.transpose(2, 3) * 0.25 + torch.from_numpy(mask), -1) @ v
+    np.testing.assert_allclose(y.numpy(), expected.numpy().transpose(0, 2, 1, 3), atol=2e-6)
+    np.testing.assert_allclose(y.numpy()[0, 3], v.numpy()[0, :, :, :].mean(1), atol=2e-6)
+
+
+def test_shapes_off_the_vector_lanes_keep_the_graph():
+    assert attention.fits(128, 64, 16) and attention.fits(16, 32, 16) and attention.fits(24, 64, 8)
+    assert not attention.fits(14, 64, 16) and not attention.fits(32, 24, 16) and not attention.fits(32, 64, 0)
+
+
+def _build_meta(workdir, key: str) -> dict:
+    stage = workdir / "bert-tiny" / key / targets.resolve("llvm").key / "build" / "stage.json"
+    meta = json.loads(stage.read_text())
+    return meta.get("meta", meta)
+
+
+@needs_simd
+def test_bert_tiny_attention_runs_on_the_kernel(tvmbert, workdir):
+    # 2 x 32: verify compares the example and padded random inputs (masked keys) with PyTorch.
+    outcome = tvmbert("verify", "bert-tiny", "--batch", "2", "--seq-len", "32", "--samples", "3", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
+    meta = _build_meta(workdir, "b2-s32-float32")
+    assert meta["attention_kernels"] == ["attention_2x2x32x64_masked"]  # both layers call it
+    # what is left to schedule: the embeddings' sum, layer norm, the pooler
+    assert not any(part in name for name in meta["schedules"] for part in ("softmax", "transpose", "split", "matmul1"))
+    optimized = tvmbert("optimize", "bert-tiny", "--batch", "2", "--seq-len", "32", "--json")
+    assert optimized.json["ops_after"].get("tir:attention_2x2x32x64_masked") == 2
+    assert "tir:softmax" not in optimized.json["ops_after"] and "tir:split" not in optimized.json["ops_after"]
+
+
+@needs_simd
+def test_off_lane_lengths_and_a_disabled_pass_keep_the_graph(tvmbert, workdir):
+    outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "14", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert not any(name.startswith("tir:attention") for name in outcome.json["ops_after"])
+    assert "tir:softmax" in outcome.json["ops_after"]
+    outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--disable", "attention-fp32", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert "attention-fp32" not in outcome.json["passes"]
+    assert not any(name.startswith("tir:attention") for name in outcome.json["ops_after"])
