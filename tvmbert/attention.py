@@ -59,6 +59,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         index = [b, h, i, j]
         return mask[tuple(0 if size == 1 else at for size, at in zip(mask_shape, index))]
 
+    def across_lanes(partial, combine):
+        """The lanes of ``partial`` combined as a tree: 4 dependent steps where a chain takes 15."""
+        values = [partial[x] for x in range(lanes)]
+        while len(values) > 1:
+            values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
+        return values[0]
+
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
@@ -78,15 +85,20 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     totals = T.alloc_buffer((seq,), "float32")
                     acc = T.alloc_buffer((ROWS, width), "float32", scope="local")
                     partial = T.alloc_buffer((lanes,), "float32", scope="local")
+                    block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
                     row_max = T.alloc_buffer((1,), "float32", scope="local")
                     # this head's K transposed and V, contiguous (rows of the operands are far apart: cache sets)
                     for j in range(seq):
                         for d in T.vectorized(dim):
                             vh[j, d] = v[bh // heads * seq + j, v_offset + bh % heads * dim + d]
-                    for j in range(seq):  # unrolled scalar copies: LLVM's gathers or scatters here cost 3x more
+                    for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
                         for d0 in range(dim // lanes):
-                            for d in T.unroll(lanes):
-                                kt[d0 * lanes + d, j] = k[bh // heads * seq + j, k_offset + bh % heads * dim + d0 * lanes + d]
+                            for r in T.unroll(lanes):
+                                for x in T.vectorized(lanes):
+                                    block[r, x] = k[bh // heads * seq + j0 * lanes + r, k_offset + bh % heads * dim + d0 * lanes + x]
+                            for c in T.unroll(lanes):
+                                for x in T.vectorized(lanes):
+                                    kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
                     # scores = Q K^T * scale + mask, a register tile at a time
                     for t in range(seq // ROWS):
                         for c in range(seq // score_width):
@@ -112,18 +124,14 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         for c in range(1, seq // lanes):
                             for x in T.vectorized(lanes):
                                 partial[x] = T.max(partial[x], scores[i, c * lanes + x])
-                        row_max[0] = partial[0]
-                        for x in range(1, lanes):
-                            row_max[0] = T.max(row_max[0], partial[x])
+                        row_max[0] = across_lanes(partial, T.max)
                         for x in T.vectorized(lanes):
                             partial[x] = T.float32(0)
                         for c in range(seq // lanes):
                             for x in T.vectorized(lanes):
                                 scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
                                 partial[x] = partial[x] + scores[i, c * lanes + x]
-                        totals[i] = partial[0]
-                        for x in range(1, lanes):
-                            totals[i] = totals[i] + partial[x]
+                        totals[i] = across_lanes(partial, lambda a, b: a + b)
                     # y = P V / sum
                     for t in range(seq // ROWS):
                         for c in range(dim // out_width):
