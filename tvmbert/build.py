@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from . import amx, artifacts, attention, fma, tuning_db
+from . import amx, artifacts, attention, fma, layer_norm, tuning_db
 from .artifacts import Artifact
 from .compiler import PREPACK_ENTRY, compile_tuned
 from .ir_io import LIBRARY_FILE, PARAMS_FILE, load_module, load_params, save_params
@@ -56,6 +56,8 @@ def build(job: Job, force: bool = False) -> Artifact:
         meta["fma_kernels"] = kernels
     if kernels := kernels_in(optimized_module, attention.KERNEL_ATTR):  # attention on our kernel: nothing to tune
         meta["attention_kernels"] = kernels
+    if kernels := kernels_in(optimized_module, layer_norm.KERNEL_ATTR):
+        meta["layer_norm_kernels"] = kernels
     with artifacts.writing("build", path, fp, meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block

@@ -264,6 +264,12 @@ def attention_fp32(target_text: str):
     return attention_rewrite(_fma_lanes(target_text))
 
 
+def layer_norm_fp32(target_text: str):
+    from .layer_norm import layer_norm_rewrite
+
+    return layer_norm_rewrite(_fma_lanes(target_text))
+
+
 def fast_math():
     """Opt-in approximations: GELU as its tanh form, and TVM's fast exp/erf/tanh/softmax.
 
@@ -421,6 +427,10 @@ PASSES = (
     # Added with fma-fp32: each layer's attention (Q K^T, scale, mask, softmax, P V and the head
     # transposes around them) becomes one call of our kernel (tvmbert/attention.py).
     GraphPass("attention-fp32", lambda t, dtype, target: [attention_fp32(target)], added_by=lambda config: uses_fma_kernel(config),
+              per_target=True),
+    # Added with fma-fp32: layer norms over a multiple of the vector lanes call our kernel
+    # (tvmbert/layer_norm.py: a row at a time, two passes in L1).
+    GraphPass("layer-norm-fp32", lambda t, dtype, target: [layer_norm_fp32(target)], added_by=lambda config: uses_fma_kernel(config),
               per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while

@@ -1,0 +1,52 @@
+"""fp32 layer norm as one kernel: its numerics against float64 (rows far from zero mean, where
+E[x^2] - mean^2 would lose digits; every accumulator count), and bert-tiny through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tvmbert import fma, layer_norm, targets
+
+HOST = targets.resolve("llvm").tvm_target()
+HOST_LANES = fma.lanes_of(HOST)
+needs_simd = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
+
+
+@needs_simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+@pytest.mark.parametrize("lead, n", [((2, 7), 768), ((5,), 48), ((3,), 32), ((1,), 16)])
+def test_layer_norm_kernel_matches_float64(lanes, lead, n):
+    import tvm
+
+    if n % lanes:
+        pytest.skip("n is not a multiple of the lanes")
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((*lead, n)) + 300).astype(np.float32)  # mean far from 0: two passes keep the digits
+    gamma, beta = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    library = tvm.compile(tvm.IRModule({"main": layer_norm.kernel(int(np.prod(lead)), n, lanes, 1e-12, lead)}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros(x.shape, "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (x, gamma, beta)), y)
+    wide = x.astype(np.float64)
+    mean = wide.mean(-1, keepdims=True)
+    expected = (wide - mean) / np.sqrt(((wide - mean) ** 2).mean(-1, keepdims=True) + 1e-12) * gamma + beta
+    np.testing.assert_allclose(y.numpy(), expected, atol=1e-4)
+
+
+def test_sizes_off_the_vector_lanes_keep_the_graph():
+    assert layer_norm.fits(768, 16) and layer_norm.fits(24, 8)
+    assert not layer_norm.fits(24, 16) and not layer_norm.fits(768, 0)
+
+
+@needs_simd
+def test_bert_tiny_layer_norms_run_on_the_kernel(tvmbert):
+    outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--json")
+    assert outcome.code == 0, outcome.stderr
+    ours = {name: count for name, count in outcome.json["ops_after"].items() if name.startswith("tir:layer_norm_")}
+    assert sum(ours.values()) == 5 and "tir:layer_norm" not in outcome.json["ops_after"]  # the embeddings' and 2 a layer
+    verified = tvmbert("verify", "bert-tiny", "--seq-len", "32", "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
+    outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--disable", "layer-norm-fp32", "--json")
+    assert outcome.json["ops_after"].get("tir:layer_norm") == 5
+    few_rows = tvmbert("optimize", "bert-tiny", "--json")  # 1 x 14: the tuned kernel
+    assert few_rows.json["ops_after"].get("tir:layer_norm") == 5
