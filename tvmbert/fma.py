@@ -2,7 +2,7 @@
 that calls it. Below the stages: optimize adds the rewrite (pass ``fma-fp32``).
 
 Where a matmul has enough rows to be bound by arithmetic (batch x tokens >= ``MIN_ROWS``: 1 x 128,
-8 x 128), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
+8 x 128; from 16 rows on), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
 this machine's ~340 (two Sapphire Rapids cores) after 300 trials each, and TVM offers no fp32
 micro-kernel intrinsic. This kernel is the classic BLAS one (MLAS, oneDNN): the weight packed once
 at build time into panels of ``vectors x lanes`` columns (``Wp[N / width, K, width]``, each panel
@@ -23,7 +23,11 @@ from __future__ import annotations
 from .scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.fma_f32"  # PrimFunc attribute marking the kernel (build counts them)
-MIN_ROWS = 32  # below this a matmul by a weight is bound by streaming the weight: tuned schedules do that well
+# Below this a matmul by a weight is bound by streaming the weight, and tuned schedules do that
+# better (bert-base 1 x 14: 18.7 ms tuned, 20.4 on the kernel); from it on the kernel wins, and
+# against untuned shapes by far (bert-base 1 x 16 untuned 40.8 ms, on the kernel 21.3; an export's
+# small buckets are rarely tuned).
+MIN_ROWS = 16
 CACHE_LINE = 64
 # Activations the kernel applies as it stores a tile (Relax op -> what it does to a float32 PrimExpr): the
 # FFN's GELU then costs no pass over its 4 x hidden activations (bert-base 8 x 128: 2.9 ms x 12).
