@@ -58,7 +58,7 @@ def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_sh
                           target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     placeholder = mask if mask is not None else np.zeros(1, "float32")
-    library["main"](*(tvm.runtime.tensor(a) for a in (*operands, placeholder)), y)
+    library["main"](*(tvm.runtime.tensor(a) for a in (*operands, placeholder, np.zeros(1, "int32"))), y)
     expected = _reference(q, k, v, mask, scale if scale is not None else 1.0).transpose(0, 2, 1, 3)
     np.testing.assert_allclose(y.numpy(), expected, atol=2e-6, rtol=1e-5)
     assert "expf" not in library.mod.inspect_source("asm")  # the softmax's exp is the vectorized polynomial
@@ -78,7 +78,7 @@ def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does():
     library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, mask.shape, 0.25)}),
                           target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
-    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask)), y)
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
     q, k, v = (torch.from_numpy(np.ascontiguousarray(_heads(columns, batch, seq, heads, dim, o))) for _, o in sources)
     expected = torch.softmax(q @ k.transpose(2, 3) * 0.25 + torch.from_numpy(mask), -1) @ v
     np.testing.assert_allclose(y.numpy(), expected.numpy().transpose(0, 2, 1, 3), atol=2e-6)
@@ -121,3 +121,24 @@ def test_off_lane_lengths_and_a_disabled_pass_keep_the_graph(tvmbert, workdir):
     assert outcome.code == 0, outcome.stderr
     assert "attention-fp32" not in outcome.json["passes"]
     assert not any(name.startswith("tir:attention") for name in outcome.json["ops_after"])
+
+
+@needs_simd
+def test_a_packed_builds_attention_reads_its_rows_through_the_index():
+    """A packed build's operands hold the real tokens only; ``rows`` places them in the grid."""
+    import tvm
+
+    batch, heads, seq, dim, tokens = 2, 2, 16, 16, 20
+    rng = np.random.default_rng(2)
+    columns = rng.standard_normal((tokens, 3 * heads * dim), dtype=np.float32)
+    rows = rng.integers(0, tokens, batch * seq).astype(np.int64)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    mask = np.zeros((batch, 1, 1, seq), np.float32)
+    mask[1, ..., 10:] = MASKED
+    library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, mask.shape, 0.25,
+                                                                  tokens)}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, rows)), y)
+    grid = columns[rows]  # [batch * seq, C]: what the padded build would read
+    q, k, v = (_heads(grid, batch, seq, heads, dim, offset) for _, offset in sources)
+    np.testing.assert_allclose(y.numpy(), _reference(q, k, v, mask, 0.25).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 from test_errors import assert_one_line_error
 from test_export import run_without_torch
 
-from tvmbert import InputError, Job, JobConfig, build, load, models, packing
+from tvmbert import InputError, Job, JobConfig, build, fma, load, models, packing, targets
 from tvmbert.export import export
 from tvmbert.runtime import CompiledModel
 
@@ -54,6 +54,9 @@ def test_a_packed_build_equals_the_padded_pytorch_model_on_the_real_tokens(workd
     built = build(job)
     assert built.path.parts[-3] == f"b{BATCH}-s{SEQ_LEN}-t{TOKENS}-float32"
     assert [name for name in built.meta["packing"]] == ["batch", "seq_len", "tokens", "positions"]
+    kernels = built.meta.get("attention_kernels", [])
+    if model == "bert-tiny" and fma.lanes_of(targets.resolve("llvm").tvm_target()):  # attention on our kernel, on the packed rows
+        assert kernels == [f"attention_{BATCH}x2x{SEQ_LEN}x64_masked_packed{TOKENS}"], kernels
     compiled = CompiledModel(built, job)
     arrays = mixed_rows(len(job.source.inputs))
     got = compiled(arrays)

@@ -37,12 +37,14 @@ def fits(seq: int, dim: int, lanes: int) -> bool:
 
 
 def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
-           scale: float | None):
+           scale: float | None, tokens: int | None = None):
     """The PrimFunc ``y[b, s, h, :] = softmax(q_h[s] K_h^T * scale + mask) V_h`` for every
     sequence b and head h, where ``sources`` gives, for Q, K and V in turn, ``(columns, offset)``:
     each is read from a ``[batch * seq, columns]`` operand, head h's ``dim`` columns starting at
     ``offset + h * dim``. ``mask`` broadcasts to ``[batch, heads, seq, seq]``; without one it is
-    one unread float."""
+    one unread float. With ``tokens`` (a packed build: ``packing.py``), the operands hold that
+    many rows and the int64 ``rows[batch * seq]`` says which one holds sequence b's token s (in
+    range: the packer makes it); otherwise ``rows`` is one unread int32."""
     import tvm
     from tvm.script import tirx as T
 
@@ -54,6 +56,11 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     mask_shape = tuple(mask_shape) if mask_shape else (1,)
     masked = len(mask_shape) == 4
     scale_by = T.float32(scale if scale is not None else 1.0)
+    operand_rows = tokens if tokens is not None else batch * seq
+    rows_shape, rows_dtype = ((batch * seq,), "int64") if tokens is not None else ((1,), "int32")
+
+    def row(rows, at):  # the operands' row of grid position ``at`` (b * seq + s)
+        return T.Cast("int32", rows[at]) if tokens is not None else at
 
     def mask_at(mask, b, h, i, j):
         index = [b, h, i, j]
@@ -70,13 +77,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     @T.prim_func(s_tir=True)
-    def attention(q: T.Buffer((batch * seq, q_columns), "float32"), k: T.Buffer((batch * seq, k_columns), "float32"),
-                  v: T.Buffer((batch * seq, v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
-                  y: T.Buffer((batch, seq, heads, dim), "float32")):
+    def attention(q: T.Buffer((operand_rows, q_columns), "float32"), k: T.Buffer((operand_rows, k_columns), "float32"),
+                  v: T.Buffer((operand_rows, v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+                  rows: T.Buffer(rows_shape, rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("attention_tiles"):
-                T.reads(whole(q), whole(k), whole(v), whole(mask))
+                T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows))
                 T.writes(whole(y))
                 for bh in T.parallel(batch * heads):
                     kt = T.alloc_buffer((dim, seq), "float32")
@@ -90,12 +97,12 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     # this head's K transposed and V, contiguous (rows of the operands are far apart: cache sets)
                     for j in range(seq):
                         for d in T.vectorized(dim):
-                            vh[j, d] = v[bh // heads * seq + j, v_offset + bh % heads * dim + d]
+                            vh[j, d] = v[row(rows, bh // heads * seq + j), v_offset + bh % heads * dim + d]
                     for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
                         for d0 in range(dim // lanes):
                             for r in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
-                                    block[r, x] = k[bh // heads * seq + j0 * lanes + r, k_offset + bh % heads * dim + d0 * lanes + x]
+                                    block[r, x] = k[row(rows, bh // heads * seq + j0 * lanes + r), k_offset + bh % heads * dim + d0 * lanes + x]
                             for c in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
                                     kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
@@ -108,7 +115,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                             for d in range(dim):
                                 for i in T.unroll(ROWS):
                                     for x in T.vectorized(score_width):
-                                        acc[i, x] = acc[i, x] + q[bh // heads * seq + t * ROWS + i, q_offset + bh % heads * dim + d] \
+                                        acc[i, x] = acc[i, x] + q[row(rows, bh // heads * seq + t * ROWS + i), q_offset + bh % heads * dim + d] \
                                             * kt[d, c * score_width + x]
                             for i in T.unroll(ROWS):
                                 for x in T.vectorized(score_width):
@@ -157,6 +164,8 @@ class _Attention(NamedTuple):
     sources: tuple  # for Q, K and V: (the value whose columns hold it, its columns, the offset of head 0)
     scale: float | None
     mask: object  # the 4-D float32 mask added to the scores, or None
+    rows: object  # a packed build's [batch * seq] rows of the operands (int64), or None
+    tokens: int | None  # the operands' rows, in a packed build
 
 
 def _find(function, lanes: int) -> tuple[dict, dict]:
@@ -208,20 +217,44 @@ def _find(function, lanes: int) -> tuple[dict, dict]:
         return (view, width, 0) if shape and np.prod(shape) == rows * width else None
 
     def heads_of(expr, transposed: bool):
-        """(operand, columns, offset) of a [B, H, S, D] (or, transposed, [B, H, D, S]) head-major
-        view of a [B * S, H * D] row-major tensor's columns."""
+        """(operand, columns, offset, rows, tokens) of a [B, H, S, D] (or, transposed,
+        [B, H, D, S]) head-major view of a [B * S, H * D] row-major tensor's columns (rows None),
+        or of a packed build's gather of one ([H, T, D] rows ``rows`` of a [T, H * D] tensor's
+        columns, made [B, H, S, D]: packing.py's attention)."""
         if op_of(expr) != "relax.permute_dims":
             return None
         if transposed and axes(expr) == [0, 1, 3, 2]:
             expr, transposed = values[expr].args[0], False
             if op_of(expr) != "relax.permute_dims":
                 return None
+        if not transposed and axes(expr) == [1, 0, 2, 3]:
+            return gathered_heads(values[expr].args[0])
         source = values[expr].args[0]
         shape = shape_of(source)
         if axes(expr) != ([0, 2, 3, 1] if transposed else [0, 2, 1, 3]) or shape is None or len(shape) != 4:
             return None
         batch, seq, heads, dim = shape
-        return columns_of(source, batch * seq, heads * dim)
+        columns = columns_of(source, batch * seq, heads * dim)
+        return None if columns is None else (*columns, None, None)
+
+    def gathered_heads(view):
+        """The packed build's ``reshape(take(take(X, 0, axis=0), rows, axis=1), [H, B, S, D])``
+        of a [1, H, T, D] head-major view X."""
+        while op_of(view) == "relax.reshape":
+            view = values[view].args[0]
+        if op_of(view) != "relax.take" or int(values[view].attrs.axis) != 1:
+            return None
+        per_head, rows = values[view].args
+        if op_of(per_head) != "relax.take" or int(values[per_head].attrs.axis) != 0:
+            return None
+        heads_view, first = values[per_head].args
+        if not isinstance(first, tvm.ir.expr.Constant) or first.value.numpy().size != 1 or int(first.value.numpy()) != 0:
+            return None
+        found = heads_of(heads_view, False)
+        if found is None or found[3] is not None or shape_of(heads_view)[0] != 1 or rows.ty.dtype != "int64":
+            return None
+        tokens = shape_of(heads_view)[2]
+        return (*found[:3], rows, tokens)
 
     found, outputs = {}, {}
     for binding in bindings:
@@ -259,7 +292,10 @@ def _find(function, lanes: int) -> tuple[dict, dict]:
         sources = (heads_of(q, False), heads_of(kt, True), heads_of(v, False))
         if any(s is None for s in sources) or any(s[0].ty.dtype != "float32" for s in sources):
             continue
-        found[binding.var] = _Attention(shape, sources, scale, mask)
+        rows = {s[3] for s in sources}
+        if len(rows) != 1 or (None not in rows and shape_of(sources[0][3]) != (batch * seq,)):
+            continue  # Q, K and V gathered alike, or not at all
+        found[binding.var] = _Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4])
     for binding in bindings:
         if op_of(binding.value) == "relax.permute_dims" and binding.value.args[0] in found and axes(binding.var) == [0, 2, 1, 3]:
             outputs[binding.var] = binding.value.args[0]
@@ -269,7 +305,8 @@ def _find(function, lanes: int) -> tuple[dict, dict]:
 def attention_rewrite(lanes: int):
     """The module pass: each fp32 ``matmul(softmax(matmul(Q, K^T) [* or / scale] [+ mask]), V)``
     whose Q, K and V are head-major views of row-major [tokens, heads x dim] values (reshapes,
-    transposes, the split of a fused projection) becomes one call of the kernel on those values;
+    transposes, the split of a fused projection; in a packed build, their gather into the
+    [batch, seq] grid) becomes one call of the kernel on those values;
     the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
     What else uses the views or the scores keeps them (dead code goes)."""
     import numpy as np
@@ -292,10 +329,11 @@ def attention_rewrite(lanes: int):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
             mask_shape = tuple(int(d) for d in found.mask.ty.shape) if found.mask is not None else None
-            key = (found.shape, columns, mask_shape, found.scale)
+            key = (found.shape, columns, mask_shape, found.scale, found.tokens)
             if key not in self.kernels:
-                function = kernel(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale)
-                name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "")
+                function = kernel(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale, found.tokens)
+                name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
+                    + (f"_packed{found.tokens}" if found.tokens is not None else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
@@ -304,13 +342,15 @@ def attention_rewrite(lanes: int):
                 found = self.found[binding.var]
                 batch, heads, seq, dim = found.shape
                 operands = []
+                operand_rows = found.tokens if found.tokens is not None else batch * seq
                 for source, columns, _ in found.sources:
                     source = self.visit_expr(source)
-                    if [int(d) for d in source.ty.shape] != [batch * seq, columns]:
-                        source = self.builder_.emit(relax.op.reshape(source, (batch * seq, columns)))
+                    if [int(d) for d in source.ty.shape] != [operand_rows, columns]:
+                        source = self.builder_.emit(relax.op.reshape(source, (operand_rows, columns)))
                     operands.append(source)
                 mask = self.visit_expr(found.mask) if found.mask is not None else relax.const(np.zeros(1, "float32"))
-                result = self.builder_.emit(relax.call_tir(self.kernel_for(found), [*operands, mask],
+                rows = self.visit_expr(found.rows) if found.rows is not None else relax.const(np.zeros(1, "int32"))
+                result = self.builder_.emit(relax.call_tir(self.kernel_for(found), [*operands, mask, rows],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))
                 self.results[binding.var] = result
                 self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))
