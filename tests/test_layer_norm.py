@@ -16,7 +16,8 @@ needs_simd = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AV
 @needs_simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("lead, n", [((2, 7), 768), ((5,), 48), ((3,), 32), ((1,), 16)])
-def test_layer_norm_kernel_matches_float64(lanes, lead, n):
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_kernel_matches_float64(lanes, lead, n, residual):
     import tvm
 
     if n % lanes:
@@ -24,10 +25,12 @@ def test_layer_norm_kernel_matches_float64(lanes, lead, n):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((*lead, n)) + 300).astype(np.float32)  # mean far from 0: two passes keep the digits
     gamma, beta = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
-    library = tvm.compile(tvm.IRModule({"main": layer_norm.kernel(int(np.prod(lead)), n, lanes, 1e-12, lead)}), target=HOST)
+    r = rng.standard_normal(x.shape, dtype=np.float32) if residual else np.zeros(1, "float32")
+    library = tvm.compile(tvm.IRModule({"main": layer_norm.kernel(int(np.prod(lead)), n, lanes, 1e-12, lead, residual)}),
+                          target=HOST)
     y = tvm.runtime.tensor(np.zeros(x.shape, "float32"))
-    library["main"](*(tvm.runtime.tensor(a) for a in (x, gamma, beta)), y)
-    wide = x.astype(np.float64)
+    library["main"](*(tvm.runtime.tensor(a) for a in (x, r, gamma, beta)), y)
+    wide = (x + r).astype(np.float64) if residual else x.astype(np.float64)  # the sum in fp32, as the graph adds
     mean = wide.mean(-1, keepdims=True)
     expected = (wide - mean) / np.sqrt(((wide - mean) ** 2).mean(-1, keepdims=True) + 1e-12) * gamma + beta
     np.testing.assert_allclose(y.numpy(), expected, atol=1e-4)
@@ -44,6 +47,10 @@ def test_bert_tiny_layer_norms_run_on_the_kernel(tvmbert):
     assert outcome.code == 0, outcome.stderr
     ours = {name: count for name, count in outcome.json["ops_after"].items() if name.startswith("tir:layer_norm_")}
     assert sum(ours.values()) == 5 and "tir:layer_norm" not in outcome.json["ops_after"]  # the embeddings' and 2 a layer
+    # the adds before every norm are the norm kernel's (the layers' residuals, not the matmuls'
+    # epilogues; at batch 1 the embeddings' last sum too, the position embeddings of its shape)
+    assert sum(count for name, count in ours.items() if name.endswith("_residual")) == 5
+    assert not any(name.startswith("tir:fma_") and name.endswith("_residual") for name in outcome.json["ops_after"])
     verified = tvmbert("verify", "bert-tiny", "--seq-len", "32", "--json")
     assert verified.code == 0 and verified.json["passed"], verified.stderr
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--disable", "layer-norm-fp32", "--json")
