@@ -7,12 +7,12 @@ mask, softmax, ``P V``, and the transpose back. At bert-base 8 x 128 the split a
 data for 25 ms, the two matmuls (tuned) run at 150-210 GFLOP/s for 28 ms and the softmax takes
 14 ms. This kernel reads Q, K and V where the projection wrote them (columns of its output) and
 writes its result where the output projection reads it, so the moves vanish; per (sequence, head),
-K is transposed once into a buffer in cache, and per tile of query rows the scores are computed
-on FMA register tiles, scaled and masked as they are stored, the softmax runs over the row in
-cache (exp as ``scalar_math.exp_float32``) and ``P V`` accumulates in registers, divided by the
-row's sum as it is stored. The arithmetic is the graph's, in its order per element; sums run in
-another order (within fp32 rounding). Shapes where the sequence or the head size is not a multiple
-of the vector lanes keep the graph.
+K is transposed once into a buffer in cache and V copied contiguous, the scores are computed on
+FMA register tiles, scaled and masked as they are stored, the softmax runs over each row in cache
+(exp as ``scalar_math.exp_float32``) and ``P V`` accumulates in registers, divided by the row's
+sum as it is stored (PyTorch divides the probabilities first). Sums run in another order and the
+scale and mask may fuse into one FMA: within fp32 rounding of the graph. Shapes where the
+sequence or the head size is not a multiple of the vector lanes keep the graph.
 """
 
 from __future__ import annotations
