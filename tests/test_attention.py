@@ -4,10 +4,9 @@ against PyTorch, where it applies and where it does not."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
+from test_fma import _build_meta
 
 from tvmbert import attention, fma, targets
 
@@ -88,12 +87,6 @@ def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does():
 def test_shapes_off_the_vector_lanes_keep_the_graph():
     assert attention.fits(128, 64, 16) and attention.fits(16, 32, 16) and attention.fits(24, 64, 8)
     assert not attention.fits(14, 64, 16) and not attention.fits(32, 24, 16) and not attention.fits(32, 64, 0)
-
-
-def _build_meta(workdir, key: str) -> dict:
-    stage = workdir / "bert-tiny" / key / targets.resolve("llvm").key / "build" / "stage.json"
-    meta = json.loads(stage.read_text())
-    return meta.get("meta", meta)
 
 
 @needs_simd
