@@ -175,18 +175,14 @@ def _find(function, lanes: int) -> tuple[dict, dict]:
     import tvm
     from tvm import relax
 
-    bindings = [b for block in function.body.blocks for b in block.bindings]
-    values = {b.var: b.value for b in bindings}
+    from .kernel_calls import dataflow
+    from .kernel_calls import static_shape as shape_of
+
+    bindings, values, _ = dataflow(function)
 
     def op_of(expr):
         value = values.get(expr, expr)
         return getattr(getattr(value, "op", None), "name", None) if isinstance(value, relax.Call) else None
-
-    def shape_of(expr):
-        shape = getattr(expr.ty, "shape", None)
-        if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
-            return None
-        return tuple(int(d) for d in shape)
 
     def axes(expr):
         return [int(a) for a in values[expr].attrs.axes]
@@ -309,10 +305,9 @@ def attention_rewrite(lanes: int):
     [batch, seq] grid) becomes one call of the kernel on those values;
     the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
     What else uses the views or the scores keeps them (dead code goes)."""
-    import numpy as np
     from tvm import relax
 
-    from .kernel_calls import function_pass
+    from .kernel_calls import function_pass, unread
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -348,8 +343,8 @@ def attention_rewrite(lanes: int):
                     if [int(d) for d in source.ty.shape] != [operand_rows, columns]:
                         source = self.builder_.emit(relax.op.reshape(source, (operand_rows, columns)))
                     operands.append(source)
-                mask = self.visit_expr(found.mask) if found.mask is not None else relax.const(np.zeros(1, "float32"))
-                rows = self.visit_expr(found.rows) if found.rows is not None else relax.const(np.zeros(1, "int32"))
+                mask = self.visit_expr(found.mask) if found.mask is not None else unread()
+                rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
                 result = self.builder_.emit(relax.call_tir(self.kernel_for(found), [*operands, mask, rows],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))
                 self.results[binding.var] = result

@@ -1,8 +1,41 @@
-"""Graph rewrites that hand matmuls by a weight to a kernel of our own (``amx.py``, ``fma.py``):
-which values are weights, the static sizes of such a matmul, and the call itself, with the rows
-padded to the kernel's granularity where they have to be. Below the stages: passes use it."""
+"""Graph rewrites that hand work to a kernel of our own (``amx.py``, ``fma.py``, ``attention.py``,
+``layer_norm.py``): a function's bindings and their uses, static shapes, which values are weights,
+the static sizes of a matmul by one, and the call itself, with the rows padded to the kernel's
+granularity where they have to be. Below the stages: passes use it."""
 
 from __future__ import annotations
+
+
+def dataflow(function) -> tuple[list, dict, dict]:
+    """``(bindings, values, uses)`` of a Relax function: its bindings in order, each var's
+    value, and how many times each var is read (the function's result counts)."""
+    from tvm import relax
+
+    bindings = [b for block in function.body.blocks for b in block.bindings]
+    uses: dict = {}
+    for value in [b.value for b in bindings] + [function.body.body]:
+        for var in relax.analysis.free_vars(value):
+            uses[var] = uses.get(var, 0) + 1
+    return bindings, {b.var: b.value for b in bindings}, uses
+
+
+def static_shape(expr) -> tuple[int, ...] | None:
+    """The shape of a tensor-typed expression when every size is a constant, else None."""
+    import tvm
+
+    shape = getattr(getattr(expr, "ty", None), "shape", None)
+    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def unread(dtype: str = "float32"):
+    """The one-value constant a kernel's signature takes in place of an operand it does not read
+    (no residual, no mask, no row index)."""
+    import numpy as np
+    from tvm import relax
+
+    return relax.const(np.zeros(1, dtype))
 
 
 def weights_of(function) -> set:
@@ -22,17 +55,14 @@ def weights_of(function) -> set:
 def weight_matmul_sizes(call, weights) -> tuple[tuple[int, ...], int, int] | None:
     """``(lead, n, k)`` of ``matmul(x[*lead, k], W[k, n])`` with W a weight and every size static;
     None for anything else (two activations, batched weights, symbolic shapes)."""
-    import tvm
-
     if getattr(call.op, "name", None) != "relax.matmul" or len(call.args) != 2:
         return None
     lhs, rhs = call.args
     if rhs not in weights:
         return None
-    shapes = [getattr(arg.ty, "shape", None) for arg in (lhs, rhs)]
-    if any(s is None or not all(isinstance(d, tvm.tirx.IntImm) for d in s) for s in shapes):
+    x_shape, w_shape = static_shape(lhs), static_shape(rhs)
+    if x_shape is None or w_shape is None:
         return None
-    x_shape, w_shape = ([int(d) for d in s] for s in shapes)
     if len(w_shape) != 2 or len(x_shape) < 2 or x_shape[-1] != w_shape[0]:
         return None
     return tuple(x_shape[:-1]), w_shape[1], w_shape[0]
@@ -110,12 +140,7 @@ class Epilogues:
     def __init__(self, function, weights: set, fits, activations, takes_residual, output_dtypes=()):
         from tvm import relax
 
-        bindings = [b for block in function.body.blocks for b in block.bindings]
-        uses: dict = {}
-        for value in [b.value for b in bindings] + [function.body.body]:
-            for var in relax.analysis.free_vars(value):
-                uses[var] = uses.get(var, 0) + 1
-        values = {b.var: b.value for b in bindings}
+        bindings, values, uses = dataflow(function)
 
         def op_of(value):
             return getattr(getattr(value, "op", None), "name", None)
@@ -226,7 +251,4 @@ class KernelFunctions:
 def kernel_operands(packed, bias, residual) -> list:
     """What the kernels take after x: the packed weight, the bias and the residual, or in its
     place the one unread float their signature keeps for it."""
-    import numpy as np
-    from tvm import relax
-
-    return [packed, bias, residual if residual is not None else relax.const(np.zeros(1, "float32"))]
+    return [packed, bias, residual if residual is not None else unread()]

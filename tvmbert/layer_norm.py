@@ -91,26 +91,23 @@ def layer_norm_rewrite(lanes: int):
     add before it where nothing else uses the sum (it runs before ``fma-fp32``, whose kernel
     would otherwise add the residual as it stores: +0.4-0.9 ms a call at 1024 rows there, ~0.1 ms
     here, where the row is read anyway)."""
-    import numpy as np
-    import tvm
     from tvm import relax
 
     from .fma import MIN_ROWS
-    from .kernel_calls import function_pass, row_count
+    from .kernel_calls import dataflow, function_pass, row_count, static_shape, unread
 
     def sizes(call):
         if getattr(call.op, "name", None) != "relax.nn.layer_norm" or call.args[0].ty.dtype != "float32":
             return None
-        shape = getattr(call.args[0].ty, "shape", None)
-        if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
+        shape = static_shape(call.args[0])
+        if shape is None:
             return None
-        shape = [int(d) for d in shape]
         axes = [int(a) % len(shape) for a in call.attrs.axes]
         if axes != [len(shape) - 1] or not (call.attrs.center and call.attrs.scale) or not fits(shape[-1], lanes):
             return None
         if row_count(shape[:-1]) < MIN_ROWS:  # a few rows: the tuned kernels are as fast (bert-base 1 x 14)
             return None
-        if any(arg.ty.dtype != "float32" or [int(d) for d in arg.ty.shape] != shape[-1:] for arg in call.args[1:]):
+        if any(arg.ty.dtype != "float32" or static_shape(arg) != shape[-1:] for arg in call.args[1:]):
             return None
         return tuple(shape[:-1]), shape[-1]
 
@@ -124,22 +121,16 @@ def layer_norm_rewrite(lanes: int):
         def start(self, function):
             """Which layer norms take the residual add before them (``add(x, r)``, both of the
             norm's shape, used by nothing else): the FMA kernel then stores plain rows."""
-            bindings = [b for block in function.body.blocks for b in block.bindings]
-            values = {b.var: b.value for b in bindings}
-            uses: dict = {}
-            for value in [b.value for b in bindings] + [function.body.body]:
-                for var in relax.analysis.free_vars(value):
-                    uses[var] = uses.get(var, 0) + 1
+            bindings, values, uses = dataflow(function)
             self.residual_sums, self.folded = {}, set()
             for binding in bindings:
                 if not isinstance(binding.value, relax.Call) or sizes(binding.value) is None:
                     continue
                 total = binding.value.args[0]
                 add = values.get(total)
-                shape = [int(d) for d in total.ty.shape]
                 if (isinstance(total, relax.DataflowVar) and getattr(getattr(add, "op", None), "name", None) == "relax.add"
-                        and uses.get(total) == 1 and all(getattr(arg.ty, "shape", None) is not None and arg.ty.dtype == "float32"
-                                                         and [int(d) for d in arg.ty.shape] == shape for arg in add.args)):
+                        and uses.get(total) == 1 and all(arg.ty.dtype == "float32" and static_shape(arg) == static_shape(total)
+                                                         for arg in add.args)):
                     self.residual_sums[binding.var] = tuple(add.args)
                     self.folded.add(total)
 
@@ -172,8 +163,7 @@ def layer_norm_rewrite(lanes: int):
                 return call
             lead, n = found
             x, gamma, beta = call.args
-            placeholder = relax.const(np.zeros(1, "float32"))
-            return relax.call_tir(self.kernel_for(lead, n, float(call.attrs.epsilon), False), [x, placeholder, gamma, beta],
+            return relax.call_tir(self.kernel_for(lead, n, float(call.attrs.epsilon), False), [x, unread(), gamma, beta],
                                   relax.TensorType((*lead, n), "float32"))
 
     return function_pass("LayerNormFp32", Rewriter)
