@@ -1,5 +1,5 @@
 """fp32 kernels LLVM can run at full width: the weight matmuls' FMA micro-kernel (its numerics on
-shapes that take every branch, bert-tiny through it with rows padded where they must be, against
+shapes that take every branch, bert-tiny through it with row counts no multiple of the tile, against
 PyTorch) and softmax's vectorized exp."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ needs_fma = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("lead, n, k", [
     ((16,), 96, 40),  # AVX-512: 2 row tiles x 2 panels of 3 vectors; K in blocks of 10; the next panel prefetched
-    ((2, 8), 64, 64),  # two leading dims, panels of 2 vectors
+    ((2, 8), 64, 64),  # two leading dims; AVX-512: one panel of 4 vectors, 2 row tiles of 6 and one of 4
+    ((2, 7), 128, 40),  # 14 rows: tiles of 6 (AVX-512) or 4 (AVX2) and a last one of 2; the next panel prefetched
     ((1024,), 16, 16),  # one-vector panels, 128 row tiles: no prefetch (the panel's first stall no longer counts)
 ])
 @pytest.mark.parametrize("activation, residual", [(None, False), ("relax.nn.gelu", False), (None, True)])
@@ -78,8 +79,8 @@ def test_compute_bound_matmuls_run_on_the_kernel(tvmbert, workdir):
 
 
 @needs_fma
-def test_rows_that_are_no_multiple_of_the_tile_are_padded(tvmbert, workdir):
-    # 3 x 13 = 39 rows: padded to 40 for the kernel, sliced back.
+def test_rows_that_are_no_multiple_of_the_tile_take_a_last_smaller_tile(tvmbert, workdir):
+    # 3 x 13 = 39 rows: 6 tiles of 6 rows and one of 3 with AVX-512, nothing padded.
     outcome = tvmbert("verify", "bert-tiny", "--batch", "3", "--seq-len", "13", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4

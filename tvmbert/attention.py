@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .fma import CACHE_LINE, prefetch_to_l2
 from .scalar_math import exp_float32
 
 KERNEL_ATTR = "tvmbert.attention_f32"  # PrimFunc attribute marking the kernel (build counts them)
@@ -73,6 +74,20 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
             values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
         return values[0]
 
+    # The next head's Q, K and V rows (strided columns of the operands, which the hardware
+    # prefetcher does not follow) are prefetched while this head's scores are computed, spread
+    # over its score tiles: alone at bert-base 8 x 128, operands out of cache, 2.9 -> 2.6 ms.
+    line_floats = CACHE_LINE // 4
+    row_lines = -(-dim // line_floats)
+    score_tiles = (seq // ROWS) * (seq // score_width)
+    per_tile = -(-seq * row_lines // score_tiles)
+
+    def prefetch_next_head(operand, offset, rows, bh, line):
+        line = T.min(line, seq * row_lines - 1)
+        after = T.min(bh + 1, batch * heads - 1)
+        return prefetch_to_l2(T.address_of(operand[row(rows, after // heads * seq + line // row_lines),
+                                                   offset + after % heads * dim + line % row_lines * line_floats]))
+
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
@@ -112,6 +127,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                             for i in T.unroll(ROWS):
                                 for x in T.vectorized(score_width):
                                     acc[i, x] = T.float32(0)
+                            for n in T.unroll(per_tile):
+                                T.evaluate(prefetch_next_head(q, q_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
+                                T.evaluate(prefetch_next_head(k, k_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
+                                T.evaluate(prefetch_next_head(v, v_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                             for d in range(dim):
                                 for i in T.unroll(ROWS):
                                     for x in T.vectorized(score_width):

@@ -3,7 +3,8 @@ that calls it. Below the stages: optimize adds the rewrite (pass ``fma-fp32``).
 
 Where a matmul has enough rows to be bound by arithmetic (batch x tokens >= ``MIN_ROWS``: 1 x 128,
 8 x 128; from 16 rows on), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
-this machine's ~340 (two Sapphire Rapids cores) after 300 trials each, and TVM offers no fp32
+this machine's ~400 (two Sapphire Rapids cores: a loop of register-only FMAs runs 200 GFLOP/s on
+each) after 300 trials each, and TVM offers no fp32
 micro-kernel intrinsic. This kernel is the classic BLAS one (MLAS, oneDNN): the weight packed once
 at build time into panels of ``vectors x lanes`` columns (``Wp[N / width, K, width]``, each panel
 contiguous), each thread owning whole panels; per tile of ``rows`` rows, ``rows x vectors``
@@ -13,8 +14,8 @@ A panel is read from memory once, by the first row tile, and the next tiles find
 first would stall on memory, so while a panel is computed the kernel prefetches the next one,
 spread evenly over the panel's row tiles. Measured on
 bert-base's 128 x 768 -> 3072 alone (2 threads, weights not in cache): ~280 GFLOP/s against 219
-for the tuned record. Rows are padded to a multiple of ``rows`` where they have to be; N must be
-a multiple of the vector lanes. Other matmuls (attention's two, few rows, a 2-label head) keep
+for the tuned record. The rows past the last whole tile take one smaller tile; N must be a
+multiple of the vector lanes. Other matmuls (attention's two, few rows, a 2-label head) keep
 their schedules (tuning databases, default schedules).
 """
 
@@ -37,10 +38,19 @@ ACTIVATIONS = {"relax.nn.gelu": gelu_float32}
 def tile(n: int, lanes: int) -> tuple[int, int] | None:
     """(rows, vectors) of the accumulator tile for N columns and the target's vector lanes: as
     many accumulators as leave a register per weight vector and one for the broadcast (32 vector
-    registers with AVX-512, 16 with AVX2), or None when N is not a multiple of the lanes."""
-    rows = 8 if lanes >= 16 else 4
-    vectors = next((v for v in (3, 2, 1) if n % (v * lanes) == 0), None)
-    return None if vectors is None else (rows, vectors)
+    registers with AVX-512, 16 with AVX2), or None when N is not a multiple of the lanes. With
+    AVX-512, 6 x 4 where N allows (10 loads per 24 FMAs against 8 x 3's 11: bert-base's four
+    matmuls at 8 x 128, 2 threads, alone: 1-4% faster), else 8 x 3, 8 x 2, 8 x 1."""
+    shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((4, 3), (4, 2), (4, 1))
+    return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
+
+
+def prefetch_to_l2(address):
+    """TIR: a software prefetch of the line at ``address`` (read, into L2: locality 2, data)."""
+    from tvm.script import tirx as T
+
+    return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id("llvm.prefetch.p0"), address, T.int32(0), T.int32(2),
+                              T.int32(1))
 
 
 def lanes_of(tvm_target) -> int:
@@ -58,9 +68,9 @@ def lanes_of(tvm_target) -> int:
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
            residual: bool = False):
     """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
-    packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) a multiple of the
-    tile's rows; ``act`` one of ``ACTIVATIONS`` or none; without ``residual``, r is one unread
-    float."""
+    packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) any row count (the
+    rows past the last whole tile take a tile of their own); ``act`` one of ``ACTIVATIONS`` or
+    none; without ``residual``, r is one unread float."""
     import tvm
     from tvm.script import tirx as T
 
@@ -69,13 +79,12 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     residual_shape = (*lead, n) if residual else (1,)
 
     rows, vectors = tile(n, lanes)
-    assert m % rows == 0, (m, rows)
     width = vectors * lanes
-    panels, tiles = n // width, m // rows
+    panels, tiles, last_rows = n // width, m // rows, m % rows
     k_block = max(d for d in range(1, 17) if k % d == 0)  # k steps unrolled between prefetches
     k_blocks = k // k_block
     panel_lines = k * width * 4 // CACHE_LINE
-    steps = tiles * k_blocks
+    steps = (tiles + (last_rows > 0)) * k_blocks
     # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles
     # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
@@ -84,9 +93,30 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
-    def prefetch(address):  # read, into L2 (locality 2), data cache
-        return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id("llvm.prefetch.p0"), address, T.int32(0),
-                                  T.int32(2), T.int32(1))
+    @T.macro
+    def row_tile(xf, wp, wf, b, rf, yf, acc, p, t, tile_rows):  # rows t * rows .. + tile_rows of panel p
+        for i in T.unroll(tile_rows):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    acc[i, v * lanes + j] = T.float32(0)
+        for kb in range(k_blocks):
+            for q in T.unroll(per_step):
+                T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(
+                    (t * k_blocks + kb) * per_step + q, panel_lines - 1) * line_floats])))
+            for kk in T.unroll(k_block):
+                for i in T.unroll(tile_rows):
+                    for v in T.unroll(vectors):
+                        for j in T.vectorized(lanes):
+                            acc[i, v * lanes + j] = acc[i, v * lanes + j] + xf[t * rows + i, kb * k_block + kk] \
+                                * wp[p, kb * k_block + kk, v * lanes + j]
+        for i in T.unroll(tile_rows):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    if residual:
+                        yf[t * rows + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
+                            + b[p * width + v * lanes + j] + rf[t * rows + i, p * width + v * lanes + j]
+                    else:
+                        yf[t * rows + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
 
     @T.prim_func(s_tir=True)
     def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
@@ -103,29 +133,9 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 for p in T.parallel(panels):
                     acc = T.alloc_buffer((rows, width), "float32", scope="local")
                     for t in range(tiles):
-                        for i in T.unroll(rows):
-                            for v in T.unroll(vectors):
-                                for j in T.vectorized(lanes):
-                                    acc[i, v * lanes + j] = T.float32(0)
-                        for kb in range(k_blocks):
-                            for q in T.unroll(per_step):
-                                T.evaluate(prefetch(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(
-                                    (t * k_blocks + kb) * per_step + q, panel_lines - 1) * line_floats])))
-                            for kk in T.unroll(k_block):
-                                for i in T.unroll(rows):
-                                    for v in T.unroll(vectors):
-                                        for j in T.vectorized(lanes):
-                                            acc[i, v * lanes + j] = acc[i, v * lanes + j] + xf[t * rows + i, kb * k_block + kk] \
-                                                * wp[p, kb * k_block + kk, v * lanes + j]
-                        for i in T.unroll(rows):
-                            for v in T.unroll(vectors):
-                                for j in T.vectorized(lanes):
-                                    if residual:
-                                        yf[t * rows + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
-                                            + b[p * width + v * lanes + j] + rf[t * rows + i, p * width + v * lanes + j]
-                                    else:
-                                        yf[t * rows + i, p * width + v * lanes + j] = epilogue(
-                                            acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+                        row_tile(xf, wp, wf, b, rf, yf, acc, p, t, rows)
+                    if last_rows > 0:
+                        row_tile(xf, wp, wf, b, rf, yf, acc, p, tiles, last_rows)
 
     assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
     return fma_matmul
@@ -150,7 +160,6 @@ def fma_matmuls(lanes: int):
     from .kernel_calls import (
         Epilogues,
         KernelFunctions,
-        call_with_padded_rows,
         function_pass,
         kernel_operands,
         row_count,
@@ -169,8 +178,7 @@ def fma_matmuls(lanes: int):
 
         def start(self, function):
             self.weights = weights_of(function)
-            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS,
-                                       takes_residual=lambda sizes: row_count(sizes[0]) % tile(sizes[1], lanes)[0] == 0)
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
 
         def fits(self, call):
             sizes = weight_matmul_sizes(call, self.weights)
@@ -182,10 +190,11 @@ def fma_matmuls(lanes: int):
         def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
             assert out_dtype == "float32"  # no output_dtypes given to Epilogues
             lead, n, k = sizes
-            rows, vectors = tile(n, lanes)
+            _, vectors = tile(n, lanes)
             packed = self.builder_.emit(pack_weight(weight, vectors * lanes))
             kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
-            return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(packed, bias, residual), lead, n, k, rows)
+            return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(packed, bias, residual)],
+                                  relax.TensorType((*lead, n), out_dtype))
 
         def visit_var_binding_(self, binding):
             if not self.epilogues.visit_binding(self, binding, self.call_kernel):
