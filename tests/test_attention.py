@@ -14,6 +14,8 @@ HOST = targets.resolve("llvm").tvm_target()
 HOST_LANES = fma.lanes_of(HOST)
 needs_simd = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
 MASKED = np.finfo(np.float32).min  # what transformers adds for a masked key
+# bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.
+QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0
 
 
 def _reference(q, k, v, mask, scale):
@@ -96,11 +98,14 @@ def test_bert_tiny_attention_runs_on_the_kernel(tvmbert, workdir):
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
     meta = _build_meta(workdir, "b2-s32-float32")
-    assert meta["attention_kernels"] == ["attention_2x2x32x64_masked"]  # both layers call it
+    # Both layers call it, reading Q, K and V as the fused projection's kernel writes them: panel-major.
+    panel = QKV_PANEL
+    assert meta["attention_kernels"] == [f"attention_2x2x32x64_masked_panels{panel}"]
+    assert "fma_matmul_64x384x128_panels" in meta["fma_kernels"] and "fma_matmul_64x384x128" not in meta["fma_kernels"]
     # what is left to schedule: the embeddings' sum, layer norm, the pooler
     assert not any(part in name for name in meta["schedules"] for part in ("softmax", "transpose", "split", "matmul1"))
     optimized = tvmbert("optimize", "bert-tiny", "--batch", "2", "--seq-len", "32", "--json")
-    assert optimized.json["ops_after"].get("tir:attention_2x2x32x64_masked") == 2
+    assert optimized.json["ops_after"].get("tir:attention_2x2x32x64_masked_panels") == 2  # (op counts drop trailing digits)
     assert "tir:softmax" not in optimized.json["ops_after"] and "tir:split" not in optimized.json["ops_after"]
 
 
@@ -135,3 +140,31 @@ def test_a_packed_builds_attention_reads_its_rows_through_the_index():
     grid = columns[rows]  # [batch * seq, C]: what the padded build would read
     q, k, v = (_heads(grid, batch, seq, heads, dim, offset) for _, offset in sources)
     np.testing.assert_allclose(y.numpy(), _reference(q, k, v, mask, 0.25).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
+
+
+@needs_simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+def test_panel_major_operands_give_the_row_major_result(lanes):
+    """Q, K and V as an FMA kernel writes them panel-major (``[columns / panel, rows, panel]``),
+    a panel holding parts of two heads: bit for bit what the row-major operand gives."""
+    import tvm
+
+    batch, heads, seq, dim, panel = 2, 3, 32, 32, 4 * lanes
+    width = heads * dim
+    columns = 3 * width + 32  # Q, K and V from column 32 on; a multiple of the panel
+    rng = np.random.default_rng(3)
+    rows_major = rng.standard_normal((batch * seq, columns), dtype=np.float32)
+    panels = np.ascontiguousarray(rows_major.reshape(batch * seq, columns // panel, panel).transpose(1, 0, 2))
+    sources = [(columns, 32 + i * width) for i in range(3)]
+    mask = np.where(rng.random((batch, 1, 1, seq)) < 0.3, MASKED, 0).astype(np.float32)
+    mask[..., 0] = 0
+    results = []
+    for operand, layout in ((rows_major, 0), (panels, panel)):
+        library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, lanes, sources, mask.shape, 0.125,
+                                                                      panel=layout)}), target=HOST)
+        y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+        library["main"](*(tvm.runtime.tensor(a) for a in (operand, operand, operand, mask, np.zeros(1, "int32"))), y)
+        results.append(y.numpy())
+    np.testing.assert_array_equal(results[1], results[0])
+    q, k, v = (_heads(rows_major, batch, seq, heads, dim, offset) for _, offset in sources)
+    np.testing.assert_allclose(results[1], _reference(q, k, v, mask, 0.125).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)

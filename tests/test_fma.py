@@ -51,6 +51,27 @@ def test_fma_kernel_matches_float64(lanes, lead, n, k, activation, residual):
     assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+@needs_fma
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+def test_panel_major_output_holds_the_row_major_result(lanes):
+    import tvm
+
+    lead, n, k = (2, 11), 192, 24  # 22 rows: a last tile smaller than the others
+    rows, vectors = fma.tile(n, lanes)
+    width = vectors * lanes
+    rng = np.random.default_rng(1)
+    x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, k), (k, n), (n,)))
+    operands = [x, np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2)), b, np.zeros(1, "float32")]
+    results = []
+    for panel_major, shape in ((False, (*lead, n)), (True, (n // width, 22, width))):
+        function = fma.kernel(22, n, k, lanes, lead, "relax.nn.gelu", panel_major=panel_major)
+        library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+        y = tvm.runtime.tensor(np.zeros(shape, "float32"))
+        library["main"](*(tvm.runtime.tensor(a) for a in operands), y)
+        results.append(y.numpy())
+    np.testing.assert_array_equal(results[1].transpose(1, 0, 2).reshape(*lead, n), results[0])
+
+
 def test_tile_leaves_registers_for_the_weights_and_the_broadcast():
     for lanes, registers in ((16, 32), (8, 16)):
         for n in (16 * lanes, 6 * lanes, lanes):

@@ -38,19 +38,21 @@ def fits(seq: int, dim: int, lanes: int) -> bool:
 
 
 def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
-           scale: float | None, tokens: int | None = None):
+           scale: float | None, tokens: int | None = None, panel: int = 0):
     """The PrimFunc ``y[b, s, h, :] = softmax(q_h[s] K_h^T * scale + mask) V_h`` for every
     sequence b and head h, where ``sources`` gives, for Q, K and V in turn, ``(columns, offset)``:
     each is read from a ``[batch * seq, columns]`` operand, head h's ``dim`` columns starting at
     ``offset + h * dim``. ``mask`` broadcasts to ``[batch, heads, seq, seq]``; without one it is
     one unread float. With ``tokens`` (a packed build: ``packing.py``), the operands hold that
     many rows and the int64 ``rows[batch * seq]`` says which one holds sequence b's token s (in
-    range: the packer makes it); otherwise ``rows`` is one unread int32."""
+    range: the packer makes it); otherwise ``rows`` is one unread int32. With ``panel``, each
+    operand is held panel-major, ``[columns / panel, rows, panel]`` (``fma.panel_major_variant``)."""
     import tvm
     from tvm.script import tirx as T
 
     assert fits(seq, dim, lanes), (seq, dim, lanes)
     (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = sources
+    assert all(offset % lanes == 0 and (not panel or columns % panel == 0) for columns, offset in sources), sources
     score_width = vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     width = max(score_width, out_width)
@@ -62,6 +64,15 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
 
     def row(rows, at):  # the operands' row of grid position ``at`` (b * seq + s)
         return T.Cast("int32", rows[at]) if tokens is not None else at
+
+    def at(operand, at_row, block, x):
+        """Element ``x`` of the ``block``-th ``lanes`` columns of row ``at_row``, in either layout."""
+        if panel:
+            return operand[block // (panel // lanes), at_row, block % (panel // lanes) * lanes + x]
+        return operand[at_row, block * lanes + x]
+
+    def operand_shape(columns):
+        return (columns // panel, operand_rows, panel) if panel else (operand_rows, columns)
 
     def mask_at(mask, b, h, i, j):
         index = [b, h, i, j]
@@ -85,15 +96,15 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     def prefetch_next_head(operand, offset, rows, bh, line):
         line = T.min(line, seq * row_lines - 1)
         after = T.min(bh + 1, batch * heads - 1)
-        return prefetch_to_l2(T.address_of(operand[row(rows, after // heads * seq + line // row_lines),
-                                                   offset + after % heads * dim + line % row_lines * line_floats]))
+        return prefetch_to_l2(T.address_of(at(operand, row(rows, after // heads * seq + line // row_lines),
+                                              (offset + after % heads * dim + line % row_lines * line_floats) // lanes, 0)))
 
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     @T.prim_func(s_tir=True)
-    def attention(q: T.Buffer((operand_rows, q_columns), "float32"), k: T.Buffer((operand_rows, k_columns), "float32"),
-                  v: T.Buffer((operand_rows, v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+    def attention(q: T.Buffer(operand_shape(q_columns), "float32"), k: T.Buffer(operand_shape(k_columns), "float32"),
+                  v: T.Buffer(operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
                   rows: T.Buffer(rows_shape, rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
@@ -111,13 +122,14 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     row_max = T.alloc_buffer((1,), "float32", scope="local")
                     # this head's K transposed and V, contiguous (rows of the operands are far apart: cache sets)
                     for j in range(seq):
-                        for d in T.vectorized(dim):
-                            vh[j, d] = v[row(rows, bh // heads * seq + j), v_offset + bh % heads * dim + d]
+                        for d0 in range(dim // lanes):
+                            for x in T.vectorized(lanes):
+                                vh[j, d0 * lanes + x] = at(v, row(rows, bh // heads * seq + j), (v_offset + bh % heads * dim) // lanes + d0, x)
                     for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
                         for d0 in range(dim // lanes):
                             for r in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
-                                    block[r, x] = k[row(rows, bh // heads * seq + j0 * lanes + r), k_offset + bh % heads * dim + d0 * lanes + x]
+                                    block[r, x] = at(k, row(rows, bh // heads * seq + j0 * lanes + r), (k_offset + bh % heads * dim) // lanes + d0, x)
                             for c in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
                                     kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
@@ -131,11 +143,11 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                                 T.evaluate(prefetch_next_head(q, q_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                                 T.evaluate(prefetch_next_head(k, k_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                                 T.evaluate(prefetch_next_head(v, v_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
-                            for d in range(dim):
+                            for d0, e in T.grid(dim // lanes, lanes):
                                 for i in T.unroll(ROWS):
                                     for x in T.vectorized(score_width):
-                                        acc[i, x] = acc[i, x] + q[row(rows, bh // heads * seq + t * ROWS + i), q_offset + bh % heads * dim + d] \
-                                            * kt[d, c * score_width + x]
+                                        acc[i, x] = acc[i, x] + at(q, row(rows, bh // heads * seq + t * ROWS + i), (q_offset + bh % heads * dim) // lanes + d0, e) \
+                                            * kt[d0 * lanes + e, c * score_width + x]
                             for i in T.unroll(ROWS):
                                 for x in T.vectorized(score_width):
                                     if masked:
@@ -317,6 +329,56 @@ def _find(function, lanes: int) -> tuple[dict, dict]:
     return found, outputs
 
 
+def _panel_sources(module, function, found: dict, outputs: dict, lanes: int) -> dict:
+    """The operands to read panel-major: var -> ``(kernel, width)`` (``fma.panel_major_variant``)
+    for each value an FMA kernel computes that, once the attentions are rewritten, nothing but
+    the kernel reads, and whose every attention reads all three of Q, K and V from such values
+    of one width (bert-base's fused Q/K/V projection)."""
+    from tvm import relax
+
+    from . import fma
+    from .kernel_calls import dataflow
+
+    bindings, values, _ = dataflow(function)
+    reads = {}  # each binding's operands once the attentions are rewritten
+    for binding in bindings:
+        if binding.var in found:
+            attention = found[binding.var]
+            reads[binding.var] = {source for source, _, _ in attention.sources} | {
+                var for var in (attention.mask, attention.rows) if isinstance(var, relax.Var)}
+        elif binding.var in outputs:
+            reads[binding.var] = {outputs[binding.var]}
+        else:
+            reads[binding.var] = set(relax.analysis.free_vars(binding.value))
+    live, pending = set(), list(relax.analysis.free_vars(function.body.body))
+    while pending:
+        var = pending.pop()
+        if var not in live:
+            live.add(var)
+            pending.extend(reads.get(var, ()))
+
+    candidates = {}
+    for source in {source for attention in found.values() for source, _, _ in attention.sources}:
+        value = values.get(source)
+        if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.call_tir"):
+            continue
+        callee = module[value.args[0]]
+        if not callee.attrs or fma.KERNEL_ATTR not in callee.attrs:
+            continue
+        if all(var in found for var in live if source in reads.get(var, ())):
+            variant = fma.panel_major_variant(value, callee, lanes)
+            if variant is not None:
+                candidates[source] = variant
+    mixed = True
+    while mixed:  # an attention reads its three operands panel-major, of one width, or none so
+        mixed = [attention for attention in found.values()
+                 if len({candidates[source][1] if source in candidates else None for source, _, _ in attention.sources}) > 1]
+        for attention in mixed:
+            for source, _, _ in attention.sources:
+                candidates.pop(source, None)
+    return candidates
+
+
 def attention_rewrite(lanes: int):
     """The module pass: each fp32 ``matmul(softmax(matmul(Q, K^T) [* or / scale] [+ mask]), V)``
     whose Q, K and V are head-major views of row-major [tokens, heads x dim] values (reshapes,
@@ -324,47 +386,69 @@ def attention_rewrite(lanes: int):
     [batch, seq] grid) becomes one call of the kernel on those values;
     the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
     What else uses the views or the scores keeps them (dead code goes)."""
+    import numpy as np
     from tvm import relax
 
-    from .kernel_calls import function_pass, unread
+    from .kernel_calls import function_pass, static_shape, unread
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
         def __init__(self, module):
             super().__init__(module)
-            self.kernels = {}
-            self.found, self.outputs, self.results = {}, {}, {}
+            self.module = module
+            self.kernels, self.variants = {}, {}
+            self.found, self.outputs, self.results, self.panel_sources, self.panels = {}, {}, {}, {}, {}
 
         def start(self, function):
             self.found, self.outputs = _find(function, lanes)
-            self.results = {}
+            self.panel_sources = _panel_sources(self.module, function, self.found, self.outputs, lanes)
+            self.results, self.panels = {}, {}
 
-        def kernel_for(self, found: _Attention):
+        def kernel_for(self, found: _Attention, panel: int):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
             mask_shape = tuple(int(d) for d in found.mask.ty.shape) if found.mask is not None else None
-            key = (found.shape, columns, mask_shape, found.scale, found.tokens)
+            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel)
             if key not in self.kernels:
-                function = kernel(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale, found.tokens)
+                function = kernel(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale, found.tokens, panel)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
-                    + (f"_packed{found.tokens}" if found.tokens is not None else "")
+                    + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
+        def emit_panel_major(self, binding):
+            """Next to the FMA kernel call of ``binding`` (dead once the attentions read this, dce
+            drops it), its panel-major variant."""
+            super().visit_var_binding_(binding)
+            function, _ = self.panel_sources[binding.var]
+            callee = binding.value.args[0]
+            if callee not in self.variants:
+                self.variants[callee] = self.builder_.add_func(function.without_attr("global_symbol"), callee.name_hint + "_panels")
+            x, weight, _, _ = (static_shape(arg) for arg in binding.value.args[1].fields)
+            shape = [weight[0], int(np.prod(x[:-1])), weight[2]]  # [n / width, m, width]
+            self.panels[binding.var] = self.builder_.emit(relax.call_tir(
+                self.variants[callee], [self.visit_expr(arg) for arg in binding.value.args[1].fields], relax.TensorType(shape, "float32")))
+
         def visit_var_binding_(self, binding):
-            if binding.var in self.found:
+            if binding.var in self.panel_sources:
+                self.emit_panel_major(binding)
+            elif binding.var in self.found:
                 found = self.found[binding.var]
                 batch, heads, seq, dim = found.shape
                 operands = []
                 operand_rows = found.tokens if found.tokens is not None else batch * seq
+                panel = self.panel_sources[found.sources[0][0]][1] if found.sources[0][0] in self.panel_sources else 0
                 for source, columns, _ in found.sources:
+                    if panel:
+                        operands.append(self.panels[source])
+                        continue
                     source = self.visit_expr(source)
                     if [int(d) for d in source.ty.shape] != [operand_rows, columns]:
                         source = self.builder_.emit(relax.op.reshape(source, (operand_rows, columns)))
                     operands.append(source)
                 mask = self.visit_expr(found.mask) if found.mask is not None else unread()
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
-                result = self.builder_.emit(relax.call_tir(self.kernel_for(found), [*operands, mask, rows],
+                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel), [*operands, mask, rows],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))
                 self.results[binding.var] = result
                 self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from .scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.fma_f32"  # PrimFunc attribute marking the kernel (build counts them)
+ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for none): what a variant of it needs
 # Below this a matmul by a weight is bound by streaming the weight, and tuned schedules do that
 # better (bert-base 1 x 14: 18.7 ms tuned, 20.4 on the kernel); from it on the kernel wins, and
 # against untuned shapes by far (bert-base 1 x 16 untuned 40.8 ms, on the kernel 21.3; an export's
@@ -66,20 +67,24 @@ def lanes_of(tvm_target) -> int:
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False):
+           residual: bool = False, panel_major: bool = False):
     """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
     packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) any row count (the
     rows past the last whole tile take a tile of their own); ``act`` one of ``ACTIVATIONS`` or
-    none; without ``residual``, r is one unread float."""
+    none; without ``residual``, r is one unread float. ``panel_major`` (no residual) writes y as
+    ``y[n / width, m, width]``: each panel's columns of all rows together (``panel_major_variant``)."""
     import tvm
     from tvm.script import tirx as T
 
+    assert not (panel_major and residual)
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
     lead = tuple(lead) if lead else (m,)
     residual_shape = (*lead, n) if residual else (1,)
 
     rows, vectors = tile(n, lanes)
     width = vectors * lanes
+    y_shape = (n // width, m, width) if panel_major else (*lead, n)
+
     panels, tiles, last_rows = n // width, m // rows, m % rows
     k_block = max(d for d in range(1, 17) if k % d == 0)  # k steps unrolled between prefetches
     k_blocks = k // k_block
@@ -115,20 +120,23 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                     if residual:
                         yf[t * rows + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
                             + b[p * width + v * lanes + j] + rf[t * rows + i, p * width + v * lanes + j]
+                    elif panel_major:
+                        yf[p, t * rows + i, v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
                     else:
                         yf[t * rows + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
 
     @T.prim_func(s_tir=True)
     def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
-                   b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"), y: T.Buffer((*lead, n), "float32")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
+                   b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"), y: T.Buffer(y_shape, "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, ACTIVATION_ATTR: activation or "",
+                     "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("fma_tiles"):  # and a block under it
                 T.reads(whole(x), whole(wp), whole(b), whole(r))
                 T.writes(whole(y))
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
-                yf = T.decl_buffer((m, n), "float32", data=y.data)
+                yf = T.decl_buffer((n // width, m, width) if panel_major else (m, n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "float32", data=wp.data)
                 for p in T.parallel(panels):
                     acc = T.alloc_buffer((rows, width), "float32", scope="local")
@@ -139,6 +147,25 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
     assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
     return fma_matmul
+
+
+def panel_major_variant(call, function, lanes: int):
+    """``(kernel, width)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
+    ``call_tir`` ``call`` runs, made to write its result panel-major; None for one with a
+    residual. Writing a tile's rows into one panel is cheaper than into rows ``n`` floats apart
+    (bert-base's Q/K/V projection at 8 x 128 alone: 12.1 -> 11.7 ms), and where the panel width
+    is the head size (6 x 4 tiles, bert-base), each panel is one head's Q, K or V, which the
+    attention kernel then reads whole."""
+    import numpy as np
+
+    from .kernel_calls import static_shape
+
+    x, wp, _, r = (static_shape(arg) for arg in call.args[1].fields)
+    if r != (1,):
+        return None
+    lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
+    activation = str(function.attrs[ACTIVATION_ATTR]) or None
+    return kernel(int(np.prod(lead)), n, k, lanes, lead, activation, panel_major=True), wp[2]
 
 
 def pack_weight(weight, width: int):
