@@ -65,6 +65,19 @@ def test_bf16_runs_its_matmuls_on_amx(tvmbert, workdir):
     assert (384 // 16, 128 // 2, 16, 2) in shapes  # the QKV weight, packed in AMX's layout at build time
 
 
+@needs_amx
+def test_bf16_attention_and_layer_norms_run_on_the_fp32_kernels(tvmbert, workdir):
+    # Only the weight matmuls run in bf16: attention and layer norm stay fp32, on our kernels.
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", "bfloat16", "--batch", "2", "--seq-len", "32", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-2
+    (stage,) = workdir.glob("bert-tiny/b2-s32-bfloat16/llvm-*/build/stage.json")
+    meta = json.loads(stage.read_text())
+    meta = meta.get("meta", meta)
+    assert meta["attention_kernels"] == ["attention_2x2x32x64_masked"]  # the AMX kernel's rows: not panel-major
+    assert meta["layer_norm_kernels"] == ["layer_norm_2x32x128"]  # the residual adds stay in the AMX kernels
+
+
 def test_bf16_is_refused_for_a_cpu_without_amx(tvmbert):
     outcome = tvmbert("build", "bert-tiny", "--dtype", "bfloat16", "--target", "llvm -mcpu=skylake-avx512")
     assert outcome.code == 2

@@ -244,6 +244,12 @@ def uses_fma_kernel(config) -> bool:
     return config.dtype == "float32" and _fma_lanes(config.target) > 0
 
 
+def uses_fp32_kernels(config) -> bool:
+    """Our attention and layer-norm kernels (fp32 arithmetic): with the FMA kernel, and for
+    --dtype bfloat16 on AMX, where only the weight matmuls run in bf16."""
+    return uses_fma_kernel(config) or (uses_amx(config) and _fma_lanes(config.target) > 0)
+
+
 @lru_cache(maxsize=8)
 def _fma_lanes(target_text: str) -> int:
     from . import fma, targets
@@ -422,7 +428,7 @@ PASSES = (
     # Added with fma-fp32: layer norms over a multiple of the vector lanes call our kernel
     # (tvmbert/layer_norm.py: a row at a time, two passes in L1), with the residual add
     # before them: before fma-fp32, which would otherwise fold that add into its matmul.
-    GraphPass("layer-norm-fp32", lambda t, dtype, target: [layer_norm_fp32(target)], added_by=lambda config: uses_fma_kernel(config),
+    GraphPass("layer-norm-fp32", lambda t, dtype, target: [layer_norm_fp32(target)], added_by=lambda config: uses_fp32_kernels(config),
               per_target=True),
     # Added for --dtype float32 on CPUs with AVX-512 or AVX2: weight matmuls (with their bias)
     # with enough rows to be compute-bound call our FMA micro-kernel (tvmbert/fma.py), their
@@ -431,7 +437,7 @@ PASSES = (
               per_target=True),
     # Added with fma-fp32: each layer's attention (Q K^T, scale, mask, softmax, P V and the head
     # transposes around them) becomes one call of our kernel (tvmbert/attention.py).
-    GraphPass("attention-fp32", lambda t, dtype, target: [attention_fp32(target)], added_by=lambda config: uses_fma_kernel(config),
+    GraphPass("attention-fp32", lambda t, dtype, target: [attention_fp32(target)], added_by=lambda config: uses_fp32_kernels(config),
               per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while
