@@ -99,8 +99,7 @@ def test_bert_tiny_attention_runs_on_the_kernel(tvmbert, workdir):
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
     meta = _build_meta(workdir, "b2-s32-float32")
     # Both layers call it, reading Q, K and V as the fused projection's kernel writes them: panel-major.
-    panel = QKV_PANEL
-    assert meta["attention_kernels"] == [f"attention_2x2x32x64_masked_panels{panel}"]
+    assert meta["attention_kernels"] == [f"attention_2x2x32x64_masked_panels{QKV_PANEL}"]
     assert "fma_matmul_64x384x128_panels" in meta["fma_kernels"] and "fma_matmul_64x384x128" not in meta["fma_kernels"]
     # what is left to schedule: the embeddings' sum, layer norm, the pooler
     assert not any(part in name for name in meta["schedules"] for part in ("softmax", "transpose", "split", "matmul1"))

@@ -205,17 +205,17 @@ class _Attention(NamedTuple):
     tokens: int | None  # the operands' rows, in a packed build
 
 
-def _find(function, lanes: int) -> tuple[dict, dict]:
-    """The attentions of ``function`` the kernel computes (the ``P V`` matmul's var -> _Attention)
-    and the head-major transposes of their results (var -> the ``P V`` var)."""
+def _find(flow, lanes: int) -> tuple[dict, dict]:
+    """The attentions the kernel computes in a function of dataflow ``flow``
+    (``kernel_calls.dataflow``): the ``P V`` matmul's var -> _Attention, and the head-major
+    transposes of their results (var -> the ``P V`` var)."""
     import numpy as np
     import tvm
     from tvm import relax
 
-    from .kernel_calls import dataflow
     from .kernel_calls import static_shape as shape_of
 
-    bindings, values, _ = dataflow(function)
+    bindings, values, _ = flow
 
     def op_of(expr):
         value = values.get(expr, expr)
@@ -335,17 +335,16 @@ def _find(function, lanes: int) -> tuple[dict, dict]:
     return found, outputs
 
 
-def _panel_sources(module, function, found: dict, outputs: dict, lanes: int) -> dict:
-    """The operands to read panel-major: var -> ``(kernel, width)`` (``fma.panel_major_variant``)
+def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: int) -> dict:
+    """The operands to read panel-major: var -> ``(kernel, shape)`` (``fma.panel_major_variant``)
     for each value an FMA kernel computes that, once the attentions are rewritten, nothing but
     the kernel reads, and whose every attention reads all three of Q, K and V from such values
     of one width (bert-base's fused Q/K/V projection)."""
     from tvm import relax
 
     from . import fma
-    from .kernel_calls import dataflow
 
-    bindings, values, _ = dataflow(function)
+    bindings, values, _ = flow
     reads = {}  # each binding's operands once the attentions are rewritten
     for binding in bindings:
         if binding.var in found:
@@ -378,7 +377,7 @@ def _panel_sources(module, function, found: dict, outputs: dict, lanes: int) -> 
     mixed = True
     while mixed:  # an attention reads its three operands panel-major, of one width, or none so
         mixed = [attention for attention in found.values()
-                 if len({candidates[source][1] if source in candidates else None for source, _, _ in attention.sources}) > 1]
+                 if len({candidates[source][1][2] if source in candidates else None for source, _, _ in attention.sources}) > 1]
         for attention in mixed:
             for source, _, _ in attention.sources:
                 candidates.pop(source, None)
@@ -392,10 +391,9 @@ def attention_rewrite(lanes: int):
     [batch, seq] grid) becomes one call of the kernel on those values;
     the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
     What else uses the views or the scores keeps them (dead code goes)."""
-    import numpy as np
     from tvm import relax
 
-    from .kernel_calls import function_pass, static_shape, unread
+    from .kernel_calls import dataflow, function_pass, unread
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -406,8 +404,9 @@ def attention_rewrite(lanes: int):
             self.found, self.outputs, self.results, self.panel_sources, self.panels = {}, {}, {}, {}, {}
 
         def start(self, function):
-            self.found, self.outputs = _find(function, lanes)
-            self.panel_sources = _panel_sources(self.module, function, self.found, self.outputs, lanes)
+            flow = dataflow(function)
+            self.found, self.outputs = _find(flow, lanes)
+            self.panel_sources = _panel_sources(self.module, function, flow, self.found, self.outputs, lanes)
             self.results, self.panels = {}, {}
 
         def kernel_for(self, found: _Attention, panel: int):
@@ -426,12 +425,10 @@ def attention_rewrite(lanes: int):
             """Next to the FMA kernel call of ``binding`` (dead once the attentions read this, dce
             drops it), its panel-major variant."""
             super().visit_var_binding_(binding)
-            function, _ = self.panel_sources[binding.var]
+            function, shape = self.panel_sources[binding.var]
             callee = binding.value.args[0]
             if callee not in self.variants:
                 self.variants[callee] = self.builder_.add_func(function.without_attr("global_symbol"), callee.name_hint + "_panels")
-            x, weight, _, _ = (static_shape(arg) for arg in binding.value.args[1].fields)
-            shape = [weight[0], int(np.prod(x[:-1])), weight[2]]  # [n / width, m, width]
             self.panels[binding.var] = self.builder_.emit(relax.call_tir(
                 self.variants[callee], [self.visit_expr(arg) for arg in binding.value.args[1].fields], relax.TensorType(shape, "float32")))
 
@@ -443,7 +440,8 @@ def attention_rewrite(lanes: int):
                 batch, heads, seq, dim = found.shape
                 operands = []
                 operand_rows = found.tokens if found.tokens is not None else batch * seq
-                panel = self.panel_sources[found.sources[0][0]][1] if found.sources[0][0] in self.panel_sources else 0
+                source = found.sources[0][0]  # the width of its panels: [n / width, m, width][2]
+                panel = self.panel_sources[source][1][2] if source in self.panel_sources else 0
                 for source, columns, _ in found.sources:
                     if panel:
                         operands.append(self.panels[source])

@@ -150,9 +150,9 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
 
 def panel_major_variant(call, function, lanes: int):
-    """``(kernel, width)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
-    ``call_tir`` ``call`` runs, made to write its result panel-major; None for one with a
-    residual. Writing a tile's rows into one panel is cheaper than into rows ``n`` floats apart
+    """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
+    ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
+    ``[n / width, m, width]``; None for one with a residual. Writing a tile's rows into one panel is cheaper than into rows ``n`` floats apart
     (bert-base's Q/K/V projection at 8 x 128 alone: 12.1 -> 11.7 ms), and where the panel width
     is the head size (6 x 4 tiles, bert-base), each panel is one head's Q, K or V, which the
     attention kernel then reads whole."""
@@ -164,8 +164,9 @@ def panel_major_variant(call, function, lanes: int):
     if r != (1,):
         return None
     lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
+    m, width = int(np.prod(lead)), wp[2]
     activation = str(function.attrs[ACTIVATION_ATTR]) or None
-    return kernel(int(np.prod(lead)), n, k, lanes, lead, activation, panel_major=True), wp[2]
+    return kernel(m, n, k, lanes, lead, activation, panel_major=True), (n // width, m, width)
 
 
 def pack_weight(weight, width: int):

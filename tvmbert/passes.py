@@ -425,9 +425,10 @@ PASSES = (
     # Added for --dtype bfloat16 on CPUs with AMX-BF16: weight matmuls call our AMX kernel
     # (tvmbert/amx.py), their weights packed in its tile layout by bind-params.
     GraphPass("amx-bf16", lambda t, dtype, target: [amx_bf16_matmuls()], added_by=lambda config: uses_amx(config)),
-    # Added with fma-fp32: layer norms over a multiple of the vector lanes call our kernel
-    # (tvmbert/layer_norm.py: a row at a time, two passes in L1), with the residual add
-    # before them: before fma-fp32, which would otherwise fold that add into its matmul.
+    # Added with fma-fp32 and with amx-bf16 (whose graph keeps layer norm in fp32): layer norms
+    # over a multiple of the vector lanes call our kernel (tvmbert/layer_norm.py: a row at a
+    # time, two passes in L1), with the residual add before them: before fma-fp32, which would
+    # otherwise fold that add into its matmul (amx-bf16, earlier, keeps the adds it folded).
     GraphPass("layer-norm-fp32", lambda t, dtype, target: [layer_norm_fp32(target)], added_by=lambda config: uses_fp32_kernels(config),
               per_target=True),
     # Added for --dtype float32 on CPUs with AVX-512 or AVX2: weight matmuls (with their bias)
@@ -435,8 +436,9 @@ PASSES = (
     # weights packed in its panels by bind-params.
     GraphPass("fma-fp32", lambda t, dtype, target: [fma_fp32_matmuls(target)], added_by=lambda config: uses_fma_kernel(config),
               per_target=True),
-    # Added with fma-fp32: each layer's attention (Q K^T, scale, mask, softmax, P V and the head
-    # transposes around them) becomes one call of our kernel (tvmbert/attention.py).
+    # Added with fma-fp32 and with amx-bf16 (whose graph keeps attention in fp32): each layer's
+    # attention (Q K^T, scale, mask, softmax, P V and the head transposes around them) becomes
+    # one call of our kernel (tvmbert/attention.py).
     GraphPass("attention-fp32", lambda t, dtype, target: [attention_fp32(target)], added_by=lambda config: uses_fp32_kernels(config),
               per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
