@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_fma import _build_meta
+from test_fma import _build_meta, heap_buffers
 
 from tvmbert import attention, fma, targets
 
@@ -63,6 +63,18 @@ def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_sh
     expected = _reference(q, k, v, mask, scale if scale is not None else 1.0).transpose(0, 2, 1, 3)
     np.testing.assert_allclose(y.numpy(), expected, atol=2e-6, rtol=1e-5)
     assert "expf" not in library.mod.inspect_source("asm")  # the softmax's exp is the vectorized polynomial
+
+
+@needs_simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
+    """The register tiles' accumulators and the softmax's partials on the stack, in registers (a
+    heap workspace is zeroed and stored at every tile: bert-base 8 x 128 alone 2.20 -> 2.08 ms)."""
+    import tvm
+
+    function = attention.kernel(2, 2, 32, 64, lanes, [(128, 0)] * 3, (2, 1, 1, 32), 0.125)
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    assert sorted(heap_buffers(library)) == ["block", "kt", "scores", "vh"]
 
 
 @needs_simd

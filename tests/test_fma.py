@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -70,6 +71,27 @@ def test_panel_major_output_holds_the_row_major_result(lanes):
         library["main"](*(tvm.runtime.tensor(a) for a in operands), y)
         results.append(y.numpy())
     np.testing.assert_array_equal(results[1].transpose(1, 0, 2).reshape(*lead, n), results[0])
+
+
+def heap_buffers(library) -> list[str]:
+    """The buffers a compiled kernel takes from TVM's workspace pool (TVMBackendAllocWorkspace)
+    rather than the stack, from its LLVM IR."""
+    module = library.mod.imports[0] if library.mod.imports else library.mod
+    source = module.inspect_source("ll")
+    pointers = "|".join(re.findall(r"%(\w+) = load ptr, ptr @__TVMBackendAllocWorkspace", source))
+    return re.findall(rf"%(\w+) = (?:tail )?call ptr %(?:{pointers})\(", source) if pointers else []
+
+
+@needs_fma
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+@pytest.mark.parametrize("n", [64, 96])  # AVX-512: 6 x 4 and 8 x 3 tiles, split in two stack buffers each
+def test_accumulators_stay_off_the_heap(lanes, n):
+    """A heap workspace for the accumulators is zeroed (memset) and stored at every tile; on the
+    stack, LLVM keeps them in registers (bert-base 128 x 768 -> 3072 alone: 2.04 -> 1.92 ms)."""
+    import tvm
+
+    library = tvm.compile(tvm.IRModule({"main": fma.kernel(14, n, 32, lanes, residual=True)}), target=HOST)
+    assert heap_buffers(library) == []
 
 
 def test_tile_leaves_registers_for_the_weights_and_the_broadcast():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from test_fma import heap_buffers
+
 from tvmbert import fma, layer_norm, targets
 
 HOST = targets.resolve("llvm").tvm_target()
@@ -34,6 +36,17 @@ def test_layer_norm_kernel_matches_float64(lanes, lead, n, residual):
     mean = wide.mean(-1, keepdims=True)
     expected = (wide - mean) / np.sqrt(((wide - mean) ** 2).mean(-1, keepdims=True) + 1e-12) * gamma + beta
     np.testing.assert_allclose(y.numpy(), expected, atol=1e-4)
+
+
+@needs_simd
+def test_per_row_buffers_stay_off_the_heap():
+    """On the heap they were allocated and freed for every row (bert-base 8 x 128's norm with the
+    residual add alone: 400 -> 325 µs)."""
+    import tvm
+
+    library = tvm.compile(tvm.IRModule({"main": layer_norm.kernel(14, 768, HOST_LANES, 1e-12, residual=True)}),
+                          target=HOST)
+    assert heap_buffers(library) == []
 
 
 def test_sizes_off_the_vector_lanes_keep_the_graph():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .fma import CACHE_LINE, prefetch_to_l2
+from .fma import CACHE_LINE, STACK_BYTES, prefetch_to_l2
 from .scalar_math import exp_float32
 
 KERNEL_ATTR = "tvmbert.attention_f32"  # PrimFunc attribute marking the kernel (build counts them)
@@ -108,6 +108,47 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
+    # A register tile's accumulators, ROWS x width floats, in two buffers of ROWS / 2 rows: TVM
+    # puts a buffer on the stack (where LLVM keeps it in registers) only under fma.STACK_BYTES;
+    # a larger one is a heap workspace, zeroed by memset and stored back at every tile.
+    half = ROWS // 2
+    assert half * width * 4 <= STACK_BYTES, width
+
+    @T.macro
+    def zero(acc, columns):
+        for i in T.unroll(half):
+            for x in T.vectorized(columns):
+                acc[i, x] = T.float32(0)
+
+    @T.macro
+    def score_fma(q, kt, rows, acc, bh, first, c, d0, e):  # query rows first .. first + half
+        for i in T.unroll(half):
+            for x in T.vectorized(score_width):
+                acc[i, x] = acc[i, x] + at(q, row(rows, bh // heads * seq + first + i), (q_offset + bh % heads * dim) // lanes + d0, e) \
+                    * kt[d0 * lanes + e, c * score_width + x]
+
+    @T.macro
+    def score_store(mask, scores, acc, bh, first, c):
+        for i in T.unroll(half):
+            for x in T.vectorized(score_width):
+                if masked:
+                    scores[first + i, c * score_width + x] = acc[i, x] * scale_by + mask_at(
+                        mask, bh // heads, bh % heads, first + i, c * score_width + x)
+                else:
+                    scores[first + i, c * score_width + x] = acc[i, x] * scale_by
+
+    @T.macro
+    def output_fma(scores, vh, acc, first, c, j):
+        for i in T.unroll(half):
+            for x in T.vectorized(out_width):
+                acc[i, x] = acc[i, x] + scores[first + i, j] * vh[j, c * out_width + x]
+
+    @T.macro
+    def output_store(y, totals, acc, bh, first, c):
+        for i in T.unroll(half):
+            for x in T.vectorized(out_width):
+                y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[first + i]
+
     @T.prim_func(s_tir=True)
     def attention(q: T.Buffer(operand_shape(q_columns), "float32"), k: T.Buffer(operand_shape(k_columns), "float32"),
                   v: T.Buffer(operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
@@ -122,10 +163,11 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     vh = T.alloc_buffer((seq, dim), "float32")
                     scores = T.alloc_buffer((seq, seq), "float32")
                     totals = T.alloc_buffer((seq,), "float32")
-                    acc = T.alloc_buffer((ROWS, width), "float32", scope="local")
-                    partial = T.alloc_buffer((lanes,), "float32", scope="local")
+                    acc_top = T.alloc_buffer((half, width), "float32")
+                    acc_bottom = T.alloc_buffer((half, width), "float32")
+                    partial = T.alloc_buffer((lanes,), "float32")
                     block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
-                    row_max = T.alloc_buffer((1,), "float32", scope="local")
+                    row_max = T.alloc_buffer((1,), "float32")
                     # this head's K transposed and V, contiguous (rows of the operands are far apart: cache sets)
                     for j in range(seq):
                         for d0 in range(dim // lanes):
@@ -142,25 +184,17 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     # scores = Q K^T * scale + mask, a register tile at a time
                     for t in range(seq // ROWS):
                         for c in range(seq // score_width):
-                            for i in T.unroll(ROWS):
-                                for x in T.vectorized(score_width):
-                                    acc[i, x] = T.float32(0)
+                            zero(acc_top, score_width)
+                            zero(acc_bottom, score_width)
                             for n in T.unroll(per_tile):
                                 T.evaluate(prefetch_next_head(q, q_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                                 T.evaluate(prefetch_next_head(k, k_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                                 T.evaluate(prefetch_next_head(v, v_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                             for d0, e in T.grid(dim // lanes, lanes):
-                                for i in T.unroll(ROWS):
-                                    for x in T.vectorized(score_width):
-                                        acc[i, x] = acc[i, x] + at(q, row(rows, bh // heads * seq + t * ROWS + i), (q_offset + bh % heads * dim) // lanes + d0, e) \
-                                            * kt[d0 * lanes + e, c * score_width + x]
-                            for i in T.unroll(ROWS):
-                                for x in T.vectorized(score_width):
-                                    if masked:
-                                        scores[t * ROWS + i, c * score_width + x] = acc[i, x] * scale_by + mask_at(
-                                            mask, bh // heads, bh % heads, t * ROWS + i, c * score_width + x)
-                                    else:
-                                        scores[t * ROWS + i, c * score_width + x] = acc[i, x] * scale_by
+                                score_fma(q, kt, rows, acc_top, bh, t * ROWS, c, d0, e)
+                                score_fma(q, kt, rows, acc_bottom, bh, t * ROWS + half, c, d0, e)
+                            score_store(mask, scores, acc_top, bh, t * ROWS, c)
+                            score_store(mask, scores, acc_bottom, bh, t * ROWS + half, c)
                     # softmax's max, exp and sum over each row
                     for i in range(seq):
                         for x in T.vectorized(lanes):
@@ -179,16 +213,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     # y = P V / sum
                     for t in range(seq // ROWS):
                         for c in range(dim // out_width):
-                            for i in T.unroll(ROWS):
-                                for x in T.vectorized(out_width):
-                                    acc[i, x] = T.float32(0)
+                            zero(acc_top, out_width)
+                            zero(acc_bottom, out_width)
                             for j in range(seq):
-                                for i in T.unroll(ROWS):
-                                    for x in T.vectorized(out_width):
-                                        acc[i, x] = acc[i, x] + scores[t * ROWS + i, j] * vh[j, c * out_width + x]
-                            for i in T.unroll(ROWS):
-                                for x in T.vectorized(out_width):
-                                    y[bh // heads, t * ROWS + i, bh % heads, c * out_width + x] = acc[i, x] / totals[t * ROWS + i]
+                                output_fma(scores, vh, acc_top, t * ROWS, c, j)
+                                output_fma(scores, vh, acc_bottom, t * ROWS + half, c, j)
+                            output_store(y, totals, acc_top, bh, t * ROWS, c)
+                            output_store(y, totals, acc_bottom, bh, t * ROWS + half, c)
 
     assert isinstance(attention, tvm.tirx.PrimFunc)
     return attention

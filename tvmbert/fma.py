@@ -31,6 +31,7 @@ ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for no
 # small buckets are rarely tuned).
 MIN_ROWS = 16
 CACHE_LINE = 64
+STACK_BYTES = 1023  # the largest buffer TVM allocates on the stack (runtime::kMaxStackAlloca - 1)
 # Activations the kernel applies as it stores a tile (Relax op -> what it does to a float32 PrimExpr): the
 # FFN's GELU then costs no pass over its 4 x hidden activations (bert-base 8 x 128: 2.9 ms x 12).
 ACTIVATIONS = {"relax.nn.gelu": gelu_float32}
@@ -98,32 +99,58 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     def whole(buffer):
         return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
+    # TVM puts a buffer on the stack only in scope "global" and under ``STACK_BYTES``; any other
+    # is a heap workspace that LLVM zeroes (memset) and stores at every tile. On the stack, LLVM
+    # keeps the accumulators in registers alone: a tile's rows in two buffers (head, tail) that fit.
+    group_rows = STACK_BYTES // (width * 4)
+    assert rows <= 2 * group_rows, (rows, width)
+
+    def groups(tile_rows):
+        return min(tile_rows, group_rows), tile_rows - min(tile_rows, group_rows)
+
     @T.macro
-    def row_tile(xf, wp, wf, b, rf, yf, acc, p, t, tile_rows):  # rows t * rows .. + tile_rows of panel p
-        for i in T.unroll(tile_rows):
+    def accumulate(xf, wp, acc, p, first_row, group, kb, kk):
+        for i in T.unroll(group):
             for v in T.unroll(vectors):
                 for j in T.vectorized(lanes):
-                    acc[i, v * lanes + j] = T.float32(0)
+                    acc[i, v * lanes + j] = acc[i, v * lanes + j] + xf[first_row + i, kb * k_block + kk] \
+                        * wp[p, kb * k_block + kk, v * lanes + j]
+
+    @T.macro
+    def store(b, rf, yf, acc, p, first_row, group):
+        for i in T.unroll(group):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    if residual:
+                        yf[first_row + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
+                            + b[p * width + v * lanes + j] + rf[first_row + i, p * width + v * lanes + j]
+                    elif panel_major:
+                        yf[p, first_row + i, v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+                    else:
+                        yf[first_row + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+
+    @T.macro
+    def row_tile(xf, wp, wf, b, rf, yf, p, t, head, tail):  # rows t * rows .. + head + tail of panel p
+        acc_head = T.alloc_buffer((head, width), "float32")
+        acc_tail = T.alloc_buffer((max(tail, 1), width), "float32")  # unused (TVM has no empty buffer) without a tail
+        for i in T.unroll(head):
+            for x in T.vectorized(width):
+                acc_head[i, x] = T.float32(0)
+        if tail > 0:
+            for i in T.unroll(tail):
+                for x in T.vectorized(width):
+                    acc_tail[i, x] = T.float32(0)
         for kb in range(k_blocks):
             for q in T.unroll(per_step):
                 T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(
                     (t * k_blocks + kb) * per_step + q, panel_lines - 1) * line_floats])))
             for kk in T.unroll(k_block):
-                for i in T.unroll(tile_rows):
-                    for v in T.unroll(vectors):
-                        for j in T.vectorized(lanes):
-                            acc[i, v * lanes + j] = acc[i, v * lanes + j] + xf[t * rows + i, kb * k_block + kk] \
-                                * wp[p, kb * k_block + kk, v * lanes + j]
-        for i in T.unroll(tile_rows):
-            for v in T.unroll(vectors):
-                for j in T.vectorized(lanes):
-                    if residual:
-                        yf[t * rows + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
-                            + b[p * width + v * lanes + j] + rf[t * rows + i, p * width + v * lanes + j]
-                    elif panel_major:
-                        yf[p, t * rows + i, v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
-                    else:
-                        yf[t * rows + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+                accumulate(xf, wp, acc_head, p, t * rows, head, kb, kk)
+                if tail > 0:
+                    accumulate(xf, wp, acc_tail, p, t * rows + head, tail, kb, kk)
+        store(b, rf, yf, acc_head, p, t * rows, head)
+        if tail > 0:
+            store(b, rf, yf, acc_tail, p, t * rows + head, tail)
 
     @T.prim_func(s_tir=True)
     def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
@@ -139,11 +166,10 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 yf = T.decl_buffer((n // width, m, width) if panel_major else (m, n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "float32", data=wp.data)
                 for p in T.parallel(panels):
-                    acc = T.alloc_buffer((rows, width), "float32", scope="local")
                     for t in range(tiles):
-                        row_tile(xf, wp, wf, b, rf, yf, acc, p, t, rows)
+                        row_tile(xf, wp, wf, b, rf, yf, p, t, *groups(rows))
                     if last_rows > 0:
-                        row_tile(xf, wp, wf, b, rf, yf, acc, p, tiles, last_rows)
+                        row_tile(xf, wp, wf, b, rf, yf, p, tiles, *groups(last_rows))
 
     assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
     return fma_matmul

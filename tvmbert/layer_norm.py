@@ -56,9 +56,11 @@ def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] 
                 rf = T.decl_buffer((rows, n) if residual else (1,), "float32", data=r.data)
                 yf = T.decl_buffer((rows, n), "float32", data=y.data)
                 for row in T.parallel(rows):
-                    partial = T.alloc_buffer((width,), "float32", scope="local")
-                    mean = T.alloc_buffer((1,), "float32", scope="local")
-                    scale = T.alloc_buffer((1,), "float32", scope="local")
+                    # in scope "global", under fma.STACK_BYTES: on the stack (a "local" buffer would
+                    # be a heap workspace, allocated and freed for every row)
+                    partial = T.alloc_buffer((width,), "float32")
+                    mean = T.alloc_buffer((1,), "float32")
+                    scale = T.alloc_buffer((1,), "float32")
                     for c in T.vectorized(width):
                         partial[c] = T.float32(0)
                     for b in range(vectors // chains):
