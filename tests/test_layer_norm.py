@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_fma import heap_buffers
 
 from tvmbert import fma, layer_norm, targets
