@@ -155,18 +155,21 @@ def test_a_packed_builds_attention_reads_its_rows_through_the_index():
 
 @needs_simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-def test_panel_major_operands_give_the_row_major_result(lanes):
+@pytest.mark.parametrize("head_per_panel", [False, True])
+def test_panel_major_operands_give_the_row_major_result(lanes, head_per_panel):
     """Q, K and V as an FMA kernel writes them panel-major (``[columns / panel, rows, panel]``),
-    a panel holding parts of two heads: bit for bit what the row-major operand gives."""
+    a panel holding parts of two heads (AVX-512) or exactly one (P V then reads V in place): bit
+    for bit what the row-major operand gives."""
     import tvm
 
-    batch, heads, seq, dim, panel = 2, 3, 32, 32, 4 * lanes
+    panel = 4 * lanes
+    batch, heads, seq, dim, offset = (2, 3, 32, panel, panel) if head_per_panel else (2, 3, 32, 32, 32)
     width = heads * dim
-    columns = 3 * width + 32  # Q, K and V from column 32 on; a multiple of the panel
+    columns = 3 * width + offset  # Q, K and V from column ``offset`` on; a multiple of the panel
     rng = np.random.default_rng(3)
     rows_major = rng.standard_normal((batch * seq, columns), dtype=np.float32)
     panels = np.ascontiguousarray(rows_major.reshape(batch * seq, columns // panel, panel).transpose(1, 0, 2))
-    sources = [(columns, 32 + i * width) for i in range(3)]
+    sources = [(columns, offset + i * width) for i in range(3)]
     mask = np.where(rng.random((batch, 1, 1, seq)) < 0.3, MASKED, 0).astype(np.float32)
     mask[..., 0] = 0
     results = []
@@ -177,5 +180,5 @@ def test_panel_major_operands_give_the_row_major_result(lanes):
         library["main"](*(tvm.runtime.tensor(a) for a in (operand, operand, operand, mask, np.zeros(1, "int32"))), y)
         results.append(y.numpy())
     np.testing.assert_array_equal(results[1], results[0])
-    q, k, v = (_heads(rows_major, batch, seq, heads, dim, offset) for _, offset in sources)
+    q, k, v = (_heads(rows_major, batch, seq, heads, dim, at) for _, at in sources)
     np.testing.assert_allclose(results[1], _reference(q, k, v, mask, 0.125).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
