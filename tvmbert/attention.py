@@ -113,10 +113,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     # puts a buffer on the stack (where LLVM keeps it in registers) only under fma.STACK_BYTES;
     # a larger one is a heap workspace, zeroed by memset and stored back at every tile.
     half = ROWS // 2
+    assert half * width * 4 <= STACK_BYTES, width
     # Where a panel is exactly one head's V (bert-base: 64 columns) and the rows are the grid's,
     # P V reads V where the projection wrote it, contiguous already.
     v_in_place = panel == dim and tokens is None and v_offset % panel == 0
-    assert half * width * 4 <= STACK_BYTES, width
 
     @T.macro
     def zero(acc, columns):
@@ -168,7 +168,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 T.writes(whole(y))
                 for bh in T.parallel(batch * heads):
                     kt = T.alloc_buffer((dim, seq), "float32")
-                    vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")
+                    vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
                     scores = T.alloc_buffer((seq, seq), "float32")
                     totals = T.alloc_buffer((seq,), "float32")
                     acc_top = T.alloc_buffer((half, width), "float32")
@@ -176,7 +176,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     partial = T.alloc_buffer((lanes,), "float32")
                     block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
                     row_max = T.alloc_buffer((1,), "float32")
-                    # this head's K transposed and V, contiguous (rows of the operands are far apart: cache sets)
+                    # this head's K transposed and V (unless read in place), contiguous (rows of the operands are far apart: cache sets)
                     if not v_in_place:
                         for j in range(seq):
                             for d0 in range(dim // lanes):
