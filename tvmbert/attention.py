@@ -480,8 +480,8 @@ def attention_rewrite(lanes: int):
                 batch, heads, seq, dim = found.shape
                 operands = []
                 operand_rows = found.tokens if found.tokens is not None else batch * seq
-                source = found.sources[0][0]  # the width of its panels: [n / width, m, width][2]
-                panel = self.panel_sources[source][1][2] if source in self.panel_sources else 0
+                first = found.sources[0][0]  # all three panel-major, of one width, or none (_panel_sources)
+                panel = self.panel_sources[first][1][2] if first in self.panel_sources else 0  # [n / width, m, width][2]
                 for source, columns, _ in found.sources:
                     if panel:
                         operands.append(self.panels[source])
