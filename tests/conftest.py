@@ -65,14 +65,14 @@ def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, 
     import sys
     import time
 
-    from tvmbert import tuning_db
+    from tvmbert.tuning import database
 
     command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", str(trials), "--trials-per-task", "16",
                "--log-dir", str(log_dir), "--workdir", str(workdir)]
     process = subprocess.Popen(command, **popen)
     deadline = time.time() + 300
     while time.time() < deadline:
-        files = list(log_dir.glob("*/" + tuning_db.RECORDS_FILE))
+        files = list(log_dir.glob("*/" + database.RECORDS_FILE))
         if files and files[0].read_text().count("\n") >= records:
             return process, command, files[0]
         time.sleep(0.5)
@@ -81,7 +81,8 @@ def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, 
 
 
 def _host_has_amx() -> bool:
-    from tvmbert import amx, targets
+    from tvmbert.core import targets
+    from tvmbert.kernels import amx
 
     if not amx.target_has_amx(targets.resolve("llvm")):
         return False

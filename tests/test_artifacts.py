@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import REPO
 
-from tvmbert import artifacts
-from tvmbert.errors import InputError
+from tvmbert.core import artifacts
+from tvmbert.core.errors import InputError
 
 
 def test_a_full_disk_during_trace_is_one_line_and_leaves_nothing(tmp_path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from test_fma import _build_meta, heap_buffers
 
-from tvmbert import attention, fma, targets
+from tvmbert.core import targets
+from tvmbert.kernels import attention, fma
 
 HOST = targets.resolve("llvm").tvm_target()
 HOST_LANES = fma.lanes_of(HOST)

@@ -7,8 +7,8 @@ import csv
 import numpy as np
 import pytest
 
-from tvmbert.bench.engines import Engine, _check
-from tvmbert.bench.timing import _ratios
+from tvmbert.stages.bench.engines import Engine, _check
+from tvmbert.stages.bench.timing import _ratios
 
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
 

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 from conftest import SMALL_TUNE, tune_in_background
 
-from tvmbert import catalog, tuning_db
-from tvmbert.catalog import Catalog
-from tvmbert.targets import resolve
+from tvmbert.core.targets import resolve
+from tvmbert.tuning import catalog, database
+from tvmbert.tuning.catalog import Catalog
 
 HOST = resolve("llvm").key
 # A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
@@ -31,7 +31,7 @@ def fake_record(*insts):
 def test_nearest_cpu_first_same_isa_level_before_same_vendor_never_another_architecture(tmp_path):
     for key in ("llvm-znver4", "llvm-haswell", "llvm-neoverse-v1", "llvm-icelake-server", "cuda-sm_90"):
         (tmp_path / key).mkdir()
-        (tmp_path / key / tuning_db.COMPACT_FILE).write_bytes(gzip.compress(b""))
+        (tmp_path / key / database.COMPACT_FILE).write_bytes(gzip.compress(b""))
     found = Catalog(tmp_path / "llvm-skylake-avx512", "llvm-skylake-avx512", print)
     # AVX-512 Intel, then AVX-512 AMD, then AVX2 Intel; no Arm, no GPU.
     assert [s.key for s in found.others] == ["llvm-icelake-server", "llvm-znver4", "llvm-haswell"]
@@ -79,15 +79,16 @@ def test_default_schedules_leave_no_kernel_a_naive_loop_nest(tvmbert, workdir, t
     import tvm
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from tvmbert import Job, JobConfig, optimize
-    from tvmbert.cpu_schedules import default_cpu_schedules
-    from tvmbert.ir_io import load_module
+    from tvmbert import Job, JobConfig
+    from tvmbert.ir.files import load_module
+    from tvmbert.stages import optimize
+    from tvmbert.tuning.default_schedules import default_cpu_schedules
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
-    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    module = database.inference_module(load_module(optimize(job).path), job.target)
     target = job.target.tvm_target()
     rng = np.random.default_rng(0)
-    for task in tuning_db.extract_tasks(module, job.target):
+    for task in database.extract_tasks(module, job.target):
         with target:
             scheduled = default_cpu_schedules()(task.module)
         if task.trivial:
@@ -112,17 +113,17 @@ def test_default_schedules_leave_no_kernel_a_naive_loop_nest(tvmbert, workdir, t
 def test_compact_keeps_the_best_records_and_builds_choose_the_same(tvmbert, tuned, tmp_path):
     logs = tmp_path / "logs"
     shutil.copytree(tuned, logs)
-    history = tuning_db.open_database(logs / HOST)
+    history = database.open_database(logs / HOST)
     compacted = tvmbert("compact", "--log-dir", str(logs), "--top-k", "2", "--json", workdir_arg=False)
     assert compacted.code == 0, compacted.stderr
     (summary,) = compacted.json["databases"]
     assert summary["records"] < summary["records_before"]
-    for name in (tuning_db.WORKLOADS_FILE, tuning_db.RECORDS_FILE):
+    for name in (database.WORKLOADS_FILE, database.RECORDS_FILE):
         (logs / HOST / name).unlink()  # a fresh clone: the shipped file alone
-    shipped = tuning_db.open_database(logs / HOST)
+    shipped = database.open_database(logs / HOST)
     for record in history.get_all_tuning_records():
-        best = tuning_db.valid_records(history, record.workload.mod)[:1]
-        again = tuning_db.valid_records(shipped, record.workload.mod)[:1]
+        best = database.valid_records(history, record.workload.mod)[:1]
+        again = database.valid_records(shipped, record.workload.mod)[:1]
         assert [str(r.trace) for r in best] == [str(r.trace) for r in again]
     built = tvmbert("build", "bert-tiny", "--log-dir", str(logs), "--json")
     assert built.json["tasks_tuned"] == 12 and set(built.json["schedules"].values()) == {"native"}
@@ -136,28 +137,28 @@ def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
     shutil.copytree(tuned, logs)
     folder = logs / HOST
     # The history's workload file replaced (here: two lines swapped): records name their workload.
-    workloads = (folder / tuning_db.WORKLOADS_FILE).read_text().splitlines()
+    workloads = (folder / database.WORKLOADS_FILE).read_text().splitlines()
     workloads[0], workloads[1] = workloads[1], workloads[0]
-    (folder / tuning_db.WORKLOADS_FILE).write_text("\n".join(workloads) + "\n")
-    (folder / tuning_db.COMPACT_FILE).unlink()
+    (folder / database.WORKLOADS_FILE).write_text("\n".join(workloads) + "\n")
+    (folder / database.COMPACT_FILE).unlink()
     warnings = []
-    database = tuning_db.open_database(folder, warn=warnings.append)
+    database = database.open_database(folder, warn=warnings.append)
     assert warnings and all("was measured on workload" in w for w in warnings)
     for record in database.get_all_tuning_records():
-        assert tuning_db.workload_key(record.workload.mod) in {json.loads(line)[2] for line in
-                                                                (folder / tuning_db.RECORDS_FILE).read_text().splitlines()}
+        assert database.workload_key(record.workload.mod) in {json.loads(line)[2] for line in
+                                                                (folder / database.RECORDS_FILE).read_text().splitlines()}
     # A compact line whose IR is not the workload its hash names is refused.
     shutil.rmtree(folder)
     shutil.copytree(tuned / HOST, folder)
-    for name in (tuning_db.WORKLOADS_FILE, tuning_db.RECORDS_FILE):
+    for name in (database.WORKLOADS_FILE, database.RECORDS_FILE):
         (folder / name).unlink()
-    lines = gzip.decompress((folder / tuning_db.COMPACT_FILE).read_bytes()).decode().splitlines()
+    lines = gzip.decompress((folder / database.COMPACT_FILE).read_bytes()).decode().splitlines()
     first, second = json.loads(lines[0]), json.loads(lines[1])
     first["mod"] = second["mod"]
     lines[0] = json.dumps(first)
-    (folder / tuning_db.COMPACT_FILE).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    (folder / database.COMPACT_FILE).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     warnings = []
-    tuning_db.open_database(folder, warn=warnings.append)
+    database.open_database(folder, warn=warnings.append)
     assert len(warnings) == 1 and "reads back as" in warnings[0] and "not its records" in warnings[0]
     # "done" with no readable record is not done: tune spends trials on it again.
     retuned = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(logs), "--json")
@@ -175,10 +176,10 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
     built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
     assert built.code == 0 and set(built.json["schedules"].values()) == {"native"}
     # Measured here, at this machine's core count.
-    database = tuning_db.open_database(logs / "llvm-skylake-avx512")
-    targets = {str(r.target.attrs["mcpu"]) + "/" + str(r.target.attrs["num-cores"]) for r in database.get_all_tuning_records()}
+    records = database.open_database(logs / "llvm-skylake-avx512")
+    targets = {str(r.target.attrs["mcpu"]) + "/" + str(r.target.attrs["num-cores"]) for r in records.get_all_tuning_records()}
     assert targets == {f"skylake-avx512/{os.cpu_count()}"}
-    assert (logs / "llvm-skylake-avx512" / tuning_db.COMPACT_FILE).is_file()
+    assert (logs / "llvm-skylake-avx512" / database.COMPACT_FILE).is_file()
     nothing = tvmbert("tune", "bert-tiny", "--adapt", "--log-dir", str(tmp_path / "empty"))
     assert nothing.code == 2 and "holds no records for bert-tiny" in nothing.stderr
 

@@ -106,8 +106,9 @@ def test_unknown_option_is_a_usage_error(tvmbert):
 
 @pytest.fixture(scope="module")
 def built_tiny(workdir):
-    from tvmbert import Job, JobConfig, build
-    from tvmbert.runtime import CompiledModel
+    from tvmbert import Job, JobConfig
+    from tvmbert.deploy.compiled import CompiledModel
+    from tvmbert.stages import build
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir)))
     return CompiledModel(build(job), job), [t.numpy() for t in job.inputs.as_tuple()]
@@ -125,7 +126,7 @@ def test_out_of_range_inputs_never_reach_the_library(built_tiny, name, value, fr
     """TVM's take does no bounds check: NaN, plausible garbage or a segfault otherwise."""
     import numpy as np
 
-    from tvmbert.errors import InputError
+    from tvmbert.core.errors import InputError
     compiled, good = built_tiny
     arrays = [a.copy() for a in good]
     arrays[list(compiled.limits).index(name)][0, 3] = value
@@ -135,7 +136,7 @@ def test_out_of_range_inputs_never_reach_the_library(built_tiny, name, value, fr
 
 
 def test_inputs_of_another_shape_or_dtype_are_refused(built_tiny):
-    from tvmbert.errors import InputError
+    from tvmbert.core.errors import InputError
 
     compiled, (ids, mask, segments) = built_tiny
     with pytest.raises(InputError, match=r"input_ids has shape \[1, 13\]; this build takes \[1, 14\]"):

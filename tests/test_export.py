@@ -15,10 +15,11 @@ import pytest
 from conftest import needs_amx
 from test_errors import assert_one_line_error
 
-from tvmbert import InputError, JobConfig, PackageError, load, models
-from tvmbert.export import export
-from tvmbert.families import PRESETS
-from tvmbert.package import MANIFEST_FILE
+from tvmbert import InputError, JobConfig, PackageError, load
+from tvmbert.core.families import PRESETS
+from tvmbert.deploy.package import MANIFEST_FILE
+from tvmbert.frontend import models
+from tvmbert.stages.export import export
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_LEN = 16

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tvmbert import models
-from tvmbert.errors import InputError
-from tvmbert.families import FAMILIES, PRESETS, TASKS
+from tvmbert.core.errors import InputError
+from tvmbert.core.families import FAMILIES, PRESETS, TASKS
+from tvmbert.frontend import models
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -164,7 +164,7 @@ def test_albert_stores_its_shared_layer_once(tvmbert, tmp_path):
     build stores (and the runtime holds) once."""
     import numpy as np
 
-    from tvmbert.ir_io import PARAMS_FILE, SAME_AS, load_params
+    from tvmbert.ir.files import PARAMS_FILE, SAME_AS, load_params
 
     built = tvmbert("build", "albert-tiny", "--log-dir", str(tmp_path), "--json")
     assert built.code == 0, built.stderr
@@ -178,7 +178,7 @@ def test_albert_stores_its_shared_layer_once(tvmbert, tmp_path):
 
 def test_every_familys_inputs_are_a_prefix_of_berts():
     """The traced signature (input_ids, attention_mask, token_type_ids=None) names every family's inputs."""
-    from tvmbert.families import BERT_INPUTS
+    from tvmbert.core.families import BERT_INPUTS
 
     for family in FAMILIES.values():
         assert family.inputs == BERT_INPUTS[: len(family.inputs)]

@@ -11,7 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from tvmbert import fma, targets
+from tvmbert.core import targets
+from tvmbert.kernels import fma
 
 HOST = targets.resolve("llvm").tvm_target()
 HOST_LANES = fma.lanes_of(HOST)
@@ -143,7 +144,7 @@ def test_softmax_exp_is_within_one_ulp_zero_when_masked_and_vectorized():
     import tvm
     from tvm import te
 
-    from tvmbert.scalar_math import exp_float32
+    from tvmbert.kernels.scalar_math import exp_float32
 
     size = 1 << 16
     x = te.placeholder((size,), "float32", name="x")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from test_fma import heap_buffers
 
-from tvmbert import fma, layer_norm, targets
+from tvmbert.core import targets
+from tvmbert.kernels import fma, layer_norm
 
 HOST = targets.resolve("llvm").tvm_target()
 HOST_LANES = fma.lanes_of(HOST)

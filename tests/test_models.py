@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tvmbert import models
+from tvmbert.frontend import models
 
 WORDS = ["who", "was", "jim", "henson", "?", "a", "puppet", "##eer"]
 

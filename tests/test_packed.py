@@ -11,9 +11,14 @@ from test_attention import QKV_PANEL
 from test_errors import assert_one_line_error
 from test_export import run_without_torch
 
-from tvmbert import InputError, Job, JobConfig, build, fma, load, models, packing, targets
-from tvmbert.export import export
-from tvmbert.runtime import CompiledModel
+from tvmbert import InputError, Job, JobConfig, load
+from tvmbert.core import targets
+from tvmbert.deploy import packing
+from tvmbert.deploy.compiled import CompiledModel
+from tvmbert.frontend import models
+from tvmbert.kernels import fma
+from tvmbert.stages import build
+from tvmbert.stages.export import export
 
 BATCH, SEQ_LEN, TOKENS = 4, 16, 32
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tvmbert import targets
-from tvmbert.errors import InputError
+from tvmbert.core import targets
+from tvmbert.core.errors import InputError
 
 
 def test_llvm_gets_a_valid_host_cpu():

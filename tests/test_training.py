@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from tvmbert import autodiff, training
+from tvmbert.training import autodiff, dispatch
 
 
 def _bert_layer(dtype=torch.float32, attention="eager"):
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
-    from tvmbert.families import PRESETS
+    from tvmbert.core.families import PRESETS
 
     torch.manual_seed(0)
     layer = BertLayer(BertConfig(**PRESETS["bert-tiny"].sizes, attn_implementation=attention)).to(dtype).train()
@@ -40,7 +40,7 @@ def _train_step(module, hidden, mask, grad_output, seed=7):
                                         (torch.float64, "sdpa")], ids=["float32", "float64", "float32-sdpa", "float64-sdpa"])
 def layers(request, tmp_path_factory):
     layer, inputs = _bert_layer(*request.param)
-    compiled = training.add_tvm_dispatch(copy.deepcopy(layer), inputs, log_dir=tmp_path_factory.mktemp("logs"))
+    compiled = dispatch.add_tvm_dispatch(copy.deepcopy(layer), inputs, log_dir=tmp_path_factory.mktemp("logs"))
     return layer, compiled, inputs
 
 
@@ -69,22 +69,22 @@ def test_forward_gradients_and_optimizer_step_match_pytorch_with_dropout_on(laye
 def test_other_shapes_fall_back_to_pytorch_and_say_so_once(layers, capsys):
     _, compiled, (hidden, mask) = layers
     compiled = copy.deepcopy(compiled)
-    dispatch = training.dispatch_of(compiled)
-    dispatch.verbose = True
+    layer_dispatch = dispatch.dispatch_of(compiled)
+    layer_dispatch.verbose = True
     other = (torch.cat([hidden, hidden]), torch.cat([mask, mask]))
     for _ in range(2):
         torch.manual_seed(1)
         got = compiled(*other)
         torch.manual_seed(1)
-        want = dispatch.original_forward(*other)
+        want = layer_dispatch.original_forward(*other)
         assert torch.equal(got, want) and "TVM" not in type(got.grad_fn).__name__
-    assert dispatch.calls["fallback"] == 2
+    assert layer_dispatch.calls["fallback"] == 2
     assert capsys.readouterr().err.count("runs in PyTorch") == 1
     # Parameters cast after compiling: PyTorch's own forward (and its dtype error), never TVM on wrong data.
     compiled.to(torch.float64 if hidden.dtype == torch.float32 else torch.float32)
     with pytest.raises(RuntimeError):
         compiled(hidden, mask)
-    assert dispatch.calls["fallback"] == 3 and dispatch.calls["tvm"] == 0
+    assert layer_dispatch.calls["fallback"] == 3 and layer_dispatch.calls["tvm"] == 0
 
 
 def test_eval_mode_compiles_without_dropout_and_matches(layers):
@@ -93,19 +93,19 @@ def test_eval_mode_compiles_without_dropout_and_matches(layers):
     got, want = compiled(hidden, mask), reference(hidden, mask)
     tolerance = 1e-5 if hidden.dtype == torch.float32 else 1e-10
     assert (got - want).abs().max() <= tolerance
-    assert training.dispatch_of(compiled).compiled_for(training.dispatch_of(compiled).mode()).dropout == []
+    assert dispatch.dispatch_of(compiled).compiled_for(dispatch.dispatch_of(compiled).mode()).dropout == []
 
 
 def test_saved_activations_are_matmul_outputs_and_fewer_bytes_than_pytorch(layers):
     reference, compiled, (hidden, mask) = layers
-    dispatch = training.dispatch_of(compiled)
-    split = dispatch.compiled_for(dispatch.mode()).split
+    layer_dispatch = dispatch.dispatch_of(compiled)
+    split = layer_dispatch.compiled_for(layer_dispatch.mode()).split
     # q, k, v, the scores, the context, and the three dense layers: elementwise work is recomputed.
     assert len(split.saved) == 8
     x = hidden.clone().requires_grad_()
-    tvm_bytes = training.saved_activation_bytes(compiled, (x, mask))
-    torch_bytes = training.saved_activation_bytes(reference, (x, mask))
-    masks = sum(math.prod(site.shape) for site in dispatch.compiled_for(dispatch.mode()).dropout) * hidden.element_size()
+    tvm_bytes = dispatch.saved_activation_bytes(compiled, (x, mask))
+    torch_bytes = dispatch.saved_activation_bytes(reference, (x, mask))
+    masks = sum(math.prod(site.shape) for site in layer_dispatch.compiled_for(layer_dispatch.mode()).dropout) * hidden.element_size()
     assert tvm_bytes == split.saved_bytes + masks
     assert tvm_bytes < torch_bytes
 
@@ -113,7 +113,7 @@ def test_saved_activations_are_matmul_outputs_and_fewer_bytes_than_pytorch(layer
 def test_remove_restores_the_module_forward(layers):
     reference, compiled, (hidden, mask) = layers
     compiled = copy.deepcopy(compiled)
-    training.remove_tvm_dispatch(compiled)
+    dispatch.remove_tvm_dispatch(compiled)
     assert "forward" not in compiled.__dict__
     output = compiled(hidden.clone().requires_grad_(), mask)
     assert "TVM" not in type(output.grad_fn).__name__
@@ -124,7 +124,7 @@ def test_scalar_target_drops_the_ones_multiply():
     from tvm import relax
 
     layer, inputs = _bert_layer()
-    main, *_ = training.export(layer.forward, layer, inputs)
+    main, *_ = dispatch.export(layer.forward, layer, inputs)
     split = autodiff.differentiate(main, [0])
     ops = []
     relax.analysis.post_order_visit(split.module["backward"].body, lambda e: isinstance(e, relax.Call)
@@ -133,11 +133,11 @@ def test_scalar_target_drops_the_ones_multiply():
 
 
 def test_bad_sample_inputs_are_an_input_error():
-    from tvmbert.errors import InputError
+    from tvmbert.core.errors import InputError
 
     layer, _ = _bert_layer()
     with pytest.raises(InputError):
-        training.add_tvm_dispatch(layer, ["not a tensor"])
+        dispatch.add_tvm_dispatch(layer, ["not a tensor"])
 
 
 def test_verify_train_cli(tvmbert, tmp_path):
@@ -183,7 +183,7 @@ def test_sdpa_dropout_that_cannot_be_replayed_runs_in_pytorch_and_says_so(monkey
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", own_random_stream)
     layer, (hidden, mask) = _bert_layer(attention="sdpa")
     with pytest.warns(UserWarning, match="BertLayer runs in PyTorch.*dropout mask inside its kernel"):
-        compiled = training.add_tvm_dispatch(copy.deepcopy(layer), (hidden, mask), log_dir=tmp_path)
+        compiled = dispatch.add_tvm_dispatch(copy.deepcopy(layer), (hidden, mask), log_dir=tmp_path)
     torch.manual_seed(5)
     got = compiled(hidden, mask)
     torch.manual_seed(5)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_TUNE, tune_in_background
 
-from tvmbert import tuning_db
-from tvmbert.catalog import Catalog
-from tvmbert.tune import plan
-from tvmbert.tuning_db import Task
+from tvmbert.stages.tune import plan
+from tvmbert.tuning import database
+from tvmbert.tuning.catalog import Catalog
+from tvmbert.tuning.database import Task
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ SMALL = SMALL_TUNE  # 12 non-trivial tasks in bert-tiny, 4 trials each
 
 def records_file(log_dir: Path) -> Path:
     (folder,) = [p for p in log_dir.iterdir() if p.is_dir()]
-    return folder / tuning_db.RECORDS_FILE
+    return folder / database.RECORDS_FILE
 
 
 def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
@@ -41,13 +41,14 @@ def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
 
 
 def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned, workdir):
-    from tvmbert import Job, JobConfig, optimize
-    from tvmbert.ir_io import PARAMS_FILE, load_module, load_params
+    from tvmbert import Job, JobConfig
+    from tvmbert.ir.files import PARAMS_FILE, load_module, load_params
+    from tvmbert.stages import optimize
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
-    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
-    marked = {t.name: [int(i) for i in t.module["main"].attrs.get(tuning_db.LAYOUT_FREE, [])]
-              for t in tuning_db.extract_tasks(module, job.target)}
+    module = database.inference_module(load_module(optimize(job).path), job.target)
+    marked = {t.name: [int(i) for i in t.module["main"].attrs.get(database.LAYOUT_FREE, [])]
+              for t in database.extract_tasks(module, job.target)}
     # The dense layers' weight matrices (argument 1); not the attention matmuls, biases or LayerNorm.
     assert marked["fused_matmul_add2"] == [1] and marked["fused_matmul5_add4"] == [1]
     assert marked["matmul2"] == [] and marked["layer_norm"] == [] and marked["fused_reshape1_add"] == []
@@ -65,25 +66,26 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    from tvmbert import Job, JobConfig, optimize
-    from tvmbert.ir_io import load_module
+    from tvmbert import Job, JobConfig
+    from tvmbert.ir.files import load_module
+    from tvmbert.stages import optimize
 
     shutil.copytree(tuned, tmp_path / "logs")
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))
     optimized = load_module(optimize(job).path)
-    marked = tuning_db.inference_module(optimized, job.target)
+    marked = database.inference_module(optimized, job.target)
     catalog = Catalog(job.log_dir(), job.target.key, print)
-    database = catalog.native.database
+    native = catalog.native.database
     # A record of the attention output projection with its weight as it is, faster than any prepacked one.
-    plain = next(t for t in tuning_db.extract_tasks(tuning_db.entry_module(optimized, "main"), job.target)
+    plain = next(t for t in database.extract_tasks(database.entry_module(optimized, "main"), job.target)
                  if t.name == "fused_matmul3_add4")
     schedule = tvm.s_tir.Schedule(plain.module)
     schedule.get_loops(schedule.get_sblock("matmul"))  # the database skips records with an empty trace
-    database.commit_tuning_record(ms.database.TuningRecord(
-        schedule.trace, database.commit_workload(plain.module), [1e-9],
+    native.commit_tuning_record(ms.database.TuningRecord(
+        schedule.trace, native.commit_workload(plain.module), [1e-9],
         job.target.tvm_target(), ms.arg_info.ArgInfo.from_prim_func(plain.module["main"])))
     chosen = catalog.prefer_measured_layouts(marked, job.target)
-    assert tuning_db.marked(marked) - tuning_db.marked(chosen) == {"fused_matmul3_add4"}
+    assert database.marked(marked) - database.marked(chosen) == {"fused_matmul3_add4"}
 
 
 def test_second_identical_tune_does_zero_trials(tvmbert, tuned):
@@ -123,7 +125,7 @@ def test_fresh_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tu
         assert records[task["name"]]["existing"] == (task["new_trials"] or task["existing"])
     untouched = [t for t in before["tasks"] if not t["name"].startswith("fused_matmul")]
     assert all(records[t["name"]]["existing"] == t["existing"] for t in untouched)
-    superseded = (records_file(log_dir).parent / tuning_db.SUPERSEDED_FILE).read_text().splitlines()
+    superseded = (records_file(log_dir).parent / database.SUPERSEDED_FILE).read_text().splitlines()
     assert len(superseded) == len(funded)
 
 
@@ -205,7 +207,7 @@ def test_a_second_tuner_waits_for_the_lock(tmp_path):
     holding = threading.Event()
 
     def hold():
-        with tuning_db.locked(tmp_path):
+        with database.locked(tmp_path):
             holding.set()
             time.sleep(1.0)
 
@@ -213,12 +215,12 @@ def test_a_second_tuner_waits_for_the_lock(tmp_path):
     thread.start()
     holding.wait()
     started = time.perf_counter()
-    assert tuning_db.tuning_active(tmp_path)  # builds see it and do not wait
-    with tuning_db.locked(tmp_path, say=messages.append):
+    assert database.tuning_active(tmp_path)  # builds see it and do not wait
+    with database.locked(tmp_path, say=messages.append):
         waited = time.perf_counter() - started
     thread.join()
     assert waited > 0.5 and messages and "waiting for another" in messages[0]
-    assert not tuning_db.tuning_active(tmp_path)
+    assert not database.tuning_active(tmp_path)
 
 
 def test_unwritable_log_dir_fails_before_tuning(tvmbert, tmp_path):
@@ -263,7 +265,7 @@ def rpc_cluster():
         processes.append(subprocess.Popen([python, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{port}",
                                            "--key", "loopback-cpu"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           start_new_session=True))
-    from tvmbert import measure
+    from tvmbert.tuning import measure
 
     deadline = time.time() + 60
     while True:

@@ -11,8 +11,8 @@ argument errors answer at once, and ``tvmbert.load`` (serving an exported packag
 torch nor transformers.
 """
 
-from .errors import CheckFailed, InputError, PackageError, TvmbertError
-from .package import ExportedModel, load
+from tvmbert.core.errors import CheckFailed, InputError, PackageError, TvmbertError
+from tvmbert.deploy.package import ExportedModel, load
 
 __all__ = [
     "BenchOptions", "CheckFailed", "ExportOptions", "ExportedModel", "InputError", "Job", "JobConfig", "PackageError",
@@ -21,19 +21,19 @@ __all__ = [
 ]
 
 try:
-    from .bench import bench
-    from .build import build
-    from .config import BenchOptions, ExportOptions, JobConfig, TuneOptions, VerifyOptions
-    from .config import load as load_config
-    from .convert import convert
-    from .export import export
-    from .job import Job
-    from .optimize import optimize
-    from .pipeline import run
-    from .trace import trace
-    from .training import add_tvm_dispatch, remove_tvm_dispatch
-    from .tune import tune
-    from .verify import verify, verify_training
+    from tvmbert.core.config import BenchOptions, ExportOptions, JobConfig, TuneOptions, VerifyOptions
+    from tvmbert.core.config import load as load_config
+    from tvmbert.stages.bench import bench
+    from tvmbert.stages.build import build
+    from tvmbert.stages.convert import convert
+    from tvmbert.stages.export import export
+    from tvmbert.stages.job import Job
+    from tvmbert.stages.optimize import optimize
+    from tvmbert.stages.run import run
+    from tvmbert.stages.trace import trace
+    from tvmbert.stages.tune import tune
+    from tvmbert.stages.verify import verify, verify_training
+    from tvmbert.training.dispatch import add_tvm_dispatch, remove_tvm_dispatch
 except ModuleNotFoundError as missing:
     # A deployment with TVM and NumPy only (tokenizers for text): `load` serves a package; the
     # toolchain needs its own dependencies (yaml, rich, torch, ...). Eager imports, not a lazy

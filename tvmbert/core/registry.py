@@ -1,0 +1,68 @@
+"""The tables of stages and of bench engines: adding one is one entry here (and its code).
+
+Config and job read these tables and sit below the stages, so an entry names its code as
+"module:function" under tvmbert, imported when it runs, as entry points do: reading a table
+imports no stage.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from tvmbert.core.artifacts import artifact_summary
+
+
+def resolve(reference: str):
+    """'module:function' under tvmbert -> the function."""
+    module, name = reference.split(":")
+    return getattr(importlib.import_module(f"tvmbert.{module}"), name)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    function: str  # "module:function": the stage, called with a Job
+    per_target: bool  # its folder is under the target's key: built for the target, or run on it
+    cached: bool = True  # returns an Artifact, reused while its inputs are unchanged (force= redoes it); else a report
+
+    def run(self, job, force: bool = False) -> dict:
+        """The stage's result as JSON: the artifact's summary, or the report (a dict, or its to_json())."""
+        function = resolve(self.function)
+        if self.cached:
+            return artifact_summary(function(job, force=force))
+        result = function(job)
+        return result if isinstance(result, dict) else result.to_json()
+
+
+# In pipeline order.
+STAGES = {stage.name: stage for stage in (
+    Stage("trace", "stages.trace:trace", per_target=False),
+    Stage("convert", "stages.convert:convert", per_target=False),
+    Stage("optimize", "stages.optimize:optimize", per_target=False),
+    Stage("tune", "stages.tune:tune", per_target=True, cached=False),
+    Stage("build", "stages.build:build", per_target=True),
+    Stage("verify", "stages.verify:verify", per_target=True, cached=False),
+    Stage("bench", "stages.bench:bench", per_target=True, cached=False),
+    Stage("export", "stages.export:export", per_target=True, cached=False),
+)}
+
+
+@dataclass(frozen=True)
+class BenchEngine:
+    name: str
+    factory: str  # "module:function": (job, inputs, threads) -> bench.engines.Engine, set up
+    requires: tuple[str, ...] = ()  # modules it imports, from tvmbert's [peers] extra: without them it is skipped
+    default: bool = True  # timed when --engines is not given (else only when named, or by bench --packed)
+
+
+# In report order; tvm, the subject, first.
+ENGINES = {engine.name: engine for engine in (
+    BenchEngine("tvm", "stages.bench.engines:tvm_engine"),
+    # The packed build of the same rows (packing.py): one more build per shape, so asked for.
+    BenchEngine("tvm-packed", "stages.bench.engines:tvm_packed_engine", default=False),
+    BenchEngine("torch-eager", "stages.bench.engines:torch_eager"),
+    BenchEngine("torch-sdpa", "stages.bench.engines:torch_sdpa"),
+    BenchEngine("torch-compile", "stages.bench.engines:torch_compile"),
+    BenchEngine("onnxruntime", "stages.bench.engines:onnxruntime_engine", requires=("onnxruntime", "onnx", "onnxscript")),
+)}

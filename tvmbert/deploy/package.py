@@ -1,0 +1,399 @@
+"""An exported package (`tvmbert export`), loaded for serving with NumPy and TVM alone.
+
+No torch and no transformers: this module imports NumPy, TVM inside the functions that need it,
+``tokenizers`` only for text, and of tvmbert only ``errors``, ``targets`` and ``packing`` (none
+imports more). A call of any batch size and any length up to the largest bucket is planned over
+the package's static-shape builds ("buckets"): rows sorted by length, grouped so that the summed
+cost of the buckets run (each bucket's latency measured at export) is least, padded (or packed,
+for a packed bucket: packing.py), run, and trimmed back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from tvmbert.core import targets
+from tvmbert.core.errors import InputError, PackageError
+from tvmbert.deploy import packing
+
+MANIFEST_FILE = "manifest.json"
+FORMAT = 1  # bump when the package layout changes meaning
+PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would run them as padded ones
+MASK_INPUT = "attention_mask"  # the input padded with 0 (the others with their "pad" value)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    batch: int
+    seq_len: int
+    library: str  # path in the package
+    weights: tuple[str, ...]  # keys in the weights file, in the order main takes them
+    cost_ms: float  # median latency measured at export: what the planner minimizes
+    tokens: int | None = None  # a packed bucket's token capacity; None: padded
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens or self.batch * self.seq_len
+
+    def contains(self, other: Bucket) -> bool:
+        """Every group of rows ``other`` takes, this one takes too (a packed bucket takes no row masked whole)."""
+        return (other.batch <= self.batch and other.seq_len <= self.seq_len and other.capacity <= self.capacity
+                and (self.tokens is None or other.tokens is not None))
+
+
+class ExportedModel:
+    """``model(texts)`` or ``model(input_ids, attention_mask=..., ...)``; see ``run`` and ``encode``.
+
+    Thread-safe: one lock around the bucket runs (a VM keeps per-call state in registers, and
+    each run already uses every core); padding and trimming run outside it, in parallel. 4 threads
+    on 2 cores took 1.5x as long with per-thread VMs instead (bert-tiny; 1.05x for MiniLM-L6):
+    they compete for the cores. The cost of the lock: a short call may wait for a long one in flight."""
+
+    def __init__(self, path: str | Path, device=None, warn=None):
+        import tvm
+        from tvm import relax
+
+        self.path = Path(path)
+        self.manifest = _read_manifest(self.path)
+        _verify_files(self.path, self.manifest["files"])
+        self._check_machine(warn or (lambda message: warnings.warn(message, stacklevel=3)))
+        if self.manifest.get("amx_kernels"):  # before loading: the first AMX instruction needs it
+            from tvmbert.kernels.amx import request_permission
+
+            try:
+                request_permission()
+            except OSError as exc:
+                raise PackageError(f"{self.path}: its kernels run on AMX-BF16: {exc}") from None
+        self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[self.manifest["target"]["kind"]](0)
+        self.inputs = self.manifest["inputs"]  # [{name, limit, pad}], in the order main takes them
+        self.outputs = self.manifest["outputs"]  # [{name, per_token}]
+        self.input_names = tuple(i["name"] for i in self.inputs)
+        self.output_names = tuple(o["name"] for o in self.outputs)
+        self.buckets = _monotone([Bucket(b["batch"], b["seq_len"], b["library"], tuple(b["weights"]), b.get("cost_ms") or
+                                         float(b.get("tokens") or b["batch"] * b["seq_len"]), b.get("tokens"))
+                                  for b in self.manifest["buckets"]])
+        self.max_batch = max(b.batch for b in self.buckets)
+        self.max_seq_len = max(b.seq_len for b in self.buckets)
+        self._mains = [relax.VirtualMachine(_load_library(self.path / b.library), self.device)["main"] for b in self.buckets]
+        self._weights = self._load_weights()
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def _check_machine(self, warn) -> None:
+        """A package runs where it was built: another CPU may lack the instructions its kernels
+        use (or run them at another speed), another GPU architecture not run them at all."""
+        target = self.manifest["target"]
+        try:
+            here = targets.resolve(target["kind"])
+        except InputError as exc:
+            raise PackageError(f"{self.path}: built for {self.manifest['target_key']}, which this machine cannot run: {exc}") from None
+        if target["kind"] != "llvm" and not here.device_present():
+            raise PackageError(f"{self.path}: built for {self.manifest['target_key']}, and this machine has no {target['kind']} device")
+        if here.key != self.manifest["target_key"]:
+            warn(f"{self.path} was built for {self.manifest['target_key']} and this machine is {here.key}: it may run slower, "
+                 f"or stop on an instruction this CPU lacks; export it on this machine for its own kernels")
+
+    def _load_weights(self) -> dict:
+        """Every distinct array once on the device, shared by the buckets that read it."""
+        import tvm
+
+        wanted = {key for bucket in self.buckets for key in bucket.weights}
+        stored = self.manifest["weights"]
+        with np.load(self.path / self.manifest["weights_file"]) as data:
+            arrays = {}
+            for key in sorted(wanted):
+                array = data[key]
+                if stored[key]["dtype"] == "bfloat16":  # npz has no bfloat16: stored as its bits
+                    import ml_dtypes
+
+                    array = array.view(ml_dtypes.bfloat16)
+                arrays[key] = tvm.runtime.tensor(array, self.device)
+        return arrays
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    def __call__(self, *args, **named):
+        """Texts (a string, a list of strings or of (text, pair) tuples) go to ``encode``;
+        arrays to ``run``."""
+        if args and _is_text(args[0]):
+            return self.encode(*args, **named)
+        return self.run(*args, **named)
+
+    def encode(self, texts) -> dict:
+        """Tokenizes and runs; per-token outputs come back as one array per text, trimmed to its
+        tokens; per-sequence outputs (pooled, logits) as one array over the texts."""
+        if isinstance(texts, (str, tuple)):
+            texts = [texts]
+        if not isinstance(texts, list) or not texts or not all(_is_text(t) for t in texts):
+            raise InputError("encode takes a string, or a non-empty list of strings or of (text, pair) tuples of strings")
+        encodings = self.tokenizer().encode_batch(texts)
+        lengths = np.array([len(e.ids) for e in encodings])
+        if lengths.max() > self.max_seq_len:
+            longest = int(np.argmax(lengths))
+            raise InputError(f"text {longest} has {lengths[longest]} tokens; this package takes at most {self.max_seq_len} "
+                             f"(its largest bucket): shorten it, or export with a larger --seq-len")
+        width = int(lengths.max())
+        fields = {"input_ids": "ids", MASK_INPUT: "attention_mask", "token_type_ids": "type_ids"}
+        missing = [name for name in self.input_names if name not in fields]
+        if missing:
+            raise InputError(f"this model takes {', '.join(missing)}, which a tokenizer does not give: call run() with arrays")
+        arrays = {}
+        for name in self.input_names:
+            array = np.full((len(texts), width), self._pad(name), dtype=np.int64)
+            for row, encoding in enumerate(encodings):
+                array[row, : lengths[row]] = getattr(encoding, fields[name])
+            arrays[name] = array
+        results = self._run_checked(arrays, lengths)
+        return {name: ([values[row, : lengths[row]] for row in range(len(texts))] if self._per_token(name) else values)
+                for name, values in results.items()}
+
+    def run(self, *arrays, **named) -> dict:
+        """Integer arrays [batch, length] (NumPy, or torch tensors: the outputs are then torch
+        tensors too), positional in the order of ``input_names`` or by name. A missing
+        attention_mask is all ones; another missing input is its pad value (token_type_ids: 0).
+        Returns {output name: array}: per-token outputs [batch, length, ...], zero after each
+        row's last unmasked token; per-sequence outputs [batch, ...]."""
+        if len(arrays) > len(self.input_names):
+            raise InputError(f"this model takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(arrays)}")
+        given = dict(zip(self.input_names, arrays))
+        for name, value in named.items():
+            if name not in self.input_names:
+                raise InputError(f"unknown input '{name}': this model takes {', '.join(self.input_names)}")
+            if name in given:
+                raise InputError(f"input '{name}' given twice")
+            given[name] = value
+        first = self.input_names[0]
+        if given.get(first) is None:
+            raise InputError(f"{first} is required")
+        as_torch = any(_is_torch(v) for v in given.values())
+        checked = {name: _as_integers(name, value) for name, value in given.items() if value is not None}
+        shape = checked[first].shape
+        if len(shape) != 2 or 0 in shape:
+            raise InputError(f"{first} must be [batch, length] with both > 0, got shape {list(shape)}")
+        for name, array in checked.items():
+            if array.shape != shape:
+                raise InputError(f"{name} has shape {list(array.shape)} and {first} {list(shape)}: they must be equal")
+        if shape[1] > self.max_seq_len:
+            raise InputError(f"length {shape[1]} is above this package's largest bucket ({self.max_seq_len}): "
+                             "export with a larger --seq-len")
+        for name in self.input_names:
+            if name not in checked:
+                checked[name] = np.ones(shape, np.int64) if name == MASK_INPUT else np.full(shape, self._pad(name), np.int64)
+        lengths = packing.lengths(checked.get(MASK_INPUT), shape)
+        results = self._run_checked(checked, lengths)
+        for name, values in results.items():
+            if self._per_token(name):
+                full = np.zeros((shape[0], shape[1], *values.shape[2:]), values.dtype)
+                for row, length in enumerate(lengths):
+                    full[row, :length] = values[row, :length]
+                results[name] = full
+        if as_torch:
+            torch = sys.modules["torch"]
+            return {name: torch.from_numpy(values) for name, values in results.items()}
+        return results
+
+    # ---- the planner and the bucket runs ---------------------------------------------------
+
+    def plan(self, lengths, packable=None) -> list[tuple[int, list[int]]]:
+        """[(bucket index, rows)]: every row once, in a bucket at least as long as it (a packed
+        one only for groups whose tokens it holds, with no row in ``packable`` false: rows
+        masked whole), with the least total measured cost (rows sorted longest first, then a
+        dynamic program over consecutive groups)."""
+        order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
+        count = len(order)
+        best = [0.0] * (count + 1)
+        choice: list[tuple[int, int]] = [(0, 0)] * count
+        for start in range(count - 1, -1, -1):
+            longest = lengths[order[start]]
+            best[start] = float("inf")
+            tokens, packs = 0, True
+            for size in range(1, min(self.max_batch, count - start) + 1):
+                tokens += lengths[order[start + size - 1]]
+                packs = packs and (packable is None or bool(packable[order[start + size - 1]]))
+                fits = [i for i, b in enumerate(self.buckets) if b.batch >= size and b.seq_len >= longest
+                        and (b.tokens is None or (packs and tokens <= b.tokens))]
+                if not fits:
+                    continue
+                index = min(fits, key=lambda i: self.buckets[i].cost_ms)
+                total = self.buckets[index].cost_ms + best[start + size]
+                if total < best[start]:
+                    best[start], choice[start] = total, (index, size)
+        if best[0] == float("inf"):
+            raise InputError("a row masked whole needs a padded bucket, and this package has only packed ones for it: "
+                             "export with batch 1 too")
+        groups, start = [], 0
+        while start < count:
+            index, size = choice[start]
+            groups.append((index, order[start : start + size]))
+            start += size
+        return groups
+
+    def _run_checked(self, arrays: dict[str, np.ndarray], lengths) -> dict[str, np.ndarray]:
+        """Checks every value against its range (TVM's take reads past the table for an id out
+        of it: garbage, NaN or a segfault), then runs the plan; outputs in the rows' order."""
+        for spec in self.inputs:
+            array = arrays[spec["name"]]
+            bad = np.argwhere((array < 0) | (array >= spec["limit"]))
+            if len(bad):
+                where = tuple(int(i) for i in bad[0])
+                allowed = "0 or 1" if spec["name"] == MASK_INPUT else f"in [0, {spec['limit']})"
+                raise InputError(f"{spec['name']} holds {array[where]} at {list(where)}: it must be {allowed}")
+        lengths = [int(n) for n in lengths]
+        results: dict[str, np.ndarray] = {}
+        for index, rows in self.plan(lengths, arrays[MASK_INPUT].any(axis=1)):
+            outputs = self._run_bucket(index, {name: array[rows] for name, array in arrays.items()}, [lengths[r] for r in rows])
+            for spec, values in zip(self.outputs, outputs):
+                if spec["name"] not in results:
+                    width = (max(lengths),) if spec["per_token"] else ()
+                    tail = values.shape[2:] if spec["per_token"] else values.shape[1:]
+                    results[spec["name"]] = np.zeros((len(lengths), *width, *tail), values.dtype)
+                for slot, row in enumerate(rows):
+                    if spec["per_token"]:
+                        results[spec["name"]][row, : lengths[row]] = values[slot, : lengths[row]]
+                    else:
+                        results[spec["name"]][row] = values[slot]
+        return results
+
+    def _run_bucket(self, index: int, arrays: dict[str, np.ndarray], lengths: list[int]) -> list[np.ndarray]:
+        """Rows padded to the bucket's shape (ids with their pad value, mask 0), or packed into a
+        packed bucket's stream, run once; per-token outputs come back as [rows, seq_len, ...]."""
+        import tvm
+
+        bucket = self.buckets[index]
+        if bucket.tokens is None:
+            feeds = []
+            for name in self.input_names:
+                padded = np.full((bucket.batch, bucket.seq_len), 0 if name == MASK_INPUT else self._pad(name), np.int64)
+                for slot, length in enumerate(lengths):
+                    padded[slot, :length] = arrays[name][slot, :length]
+                feeds.append(padded)
+        else:
+            packed = packing.pack(arrays, lengths, bucket.batch, bucket.seq_len, bucket.tokens, self.manifest["packing"]["positions"])
+            feeds = [packed[name] for name in packing.input_names(self.input_names)]
+        feeds = [tvm.runtime.tensor(feed, self.device) for feed in feeds]
+        with self._lock:
+            outputs = self._mains[index](*feeds, *(self._weights[key] for key in bucket.weights))
+            if hasattr(outputs, "numpy"):  # a single output comes back bare
+                outputs = [outputs]
+            outputs = [out.numpy() for out in outputs]
+        if bucket.tokens is None:
+            return outputs
+        return [packing.unpack(out, lengths, bucket.seq_len) if spec["per_token"] else out for spec, out in zip(self.outputs, outputs)]
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _pad(self, name: str) -> int:
+        return next(spec["pad"] for spec in self.inputs if spec["name"] == name)
+
+    def _per_token(self, name: str) -> bool:
+        return next(spec["per_token"] for spec in self.outputs if spec["name"] == name)
+
+    def tokenizer(self):
+        """The package's tokenizer (the ``tokenizers`` package), without truncation or padding:
+        a text longer than the largest bucket is an error, never silently cut."""
+        if self.manifest.get("tokenizer") is None:
+            raise InputError(f"{self.path} has no tokenizer (the model had none): call run() with token ids")
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                try:
+                    from tokenizers import Tokenizer
+                except ImportError:
+                    raise InputError("encoding text needs the tokenizers package: pip install tokenizers") from None
+                tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
+                tokenizer.no_truncation()
+                tokenizer.no_padding()
+                self._tokenizer = tokenizer
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{b.batch}x{b.seq_len}" + (f"/{b.tokens}" if b.tokens else "") for b in self.buckets)
+        return f"ExportedModel({self.manifest['model']['name']}, {self.manifest['target_key']}, buckets {shapes})"
+
+
+def load(path: str | Path, device=None, warn=None) -> ExportedModel:
+    """Loads a package `tvmbert export` wrote: checksums verified, built-for-another-machine
+    warned about (``warn``: a callable taking the message; default ``warnings.warn``)."""
+    return ExportedModel(path, device, warn)
+
+
+def _monotone(buckets: list[Bucket]) -> list[Bucket]:
+    """A bucket costs at least what any bucket it contains costs: a latency measured on a busy
+    machine may say otherwise, and the planner would then pad for nothing."""
+    return [replace(b, cost_ms=max(o.cost_ms for o in buckets if b.contains(o))) for b in buckets]
+
+
+def _read_manifest(path: Path) -> dict:
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        raise PackageError(f"{path} is not a tvmbert package: it has no {MANIFEST_FILE} (write one with `tvmbert export`)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PackageError(f"{file} cannot be read: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, PACKED_FORMAT):
+        raise PackageError(f"{file}: package format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
+                           f"this tvmbert reads formats {FORMAT} and {PACKED_FORMAT}")
+    return manifest
+
+
+def _verify_files(path: Path, files: dict[str, str]) -> None:
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise PackageError(f"{path}: {name} is missing")
+        if sha256(file) != expected:
+            raise PackageError(f"{path}: {name} does not match its checksum in {MANIFEST_FILE}: the file was altered or "
+                               "damaged; export the package again")
+
+
+def _load_library(path: Path):
+    """From a private copy: the dynamic loader hands back a library it already loaded from the
+    same path, so a package re-exported in place would otherwise run the old kernels."""
+    import atexit
+
+    import tvm
+
+    folder = Path(tempfile.mkdtemp(prefix="tvmbert-package-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    private = folder / path.name
+    shutil.copyfile(path, private)
+    return tvm.runtime.load_module(str(private))
+
+
+def _is_text(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, str) for v in value)) \
+        or (isinstance(value, list) and bool(value) and all(_is_text(v) and not isinstance(v, list) for v in value))
+
+
+def _is_torch(value) -> bool:
+    return type(value).__module__.split(".")[0] == "torch"
+
+
+def _as_integers(name: str, value) -> np.ndarray:
+    if _is_torch(value):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
+        raise InputError(f"{name} must hold integers, got {array.dtype}")
+    return array.astype(np.int64, copy=False)

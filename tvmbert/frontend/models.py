@@ -1,0 +1,399 @@
+"""Where models come from: preset architectures with seeded weights, or a local HF directory.
+
+Weights never come from the network: presets are built from a config and a seed, and local
+directories are opened with ``local_files_only``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tvmbert.core.errors import InputError
+from tvmbert.core.families import DEFAULT_TASK, FAMILIES, PRESETS, TASKS, Family, preset_config_kwargs, task_of_architecture
+
+if TYPE_CHECKING:
+    import torch
+
+# A user who sets it to 0 still never reaches a hub: every load passes local_files_only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The HuggingFace TorchScript tutorial's example, the seed post's input (1 x 14 tokens).
+DEFAULT_TEXT = "[CLS] Who was Jim Henson ? [SEP] Jim Henson was a puppeteer [SEP]"
+DEFAULT_SEQ_LEN = 14
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model reference: what to build and a key that names its artifacts."""
+
+    name: str  # what the user typed
+    key: str  # directory-safe, unique per architecture + weights
+    preset: str | None
+    path: Path | None
+    fingerprint: str  # changes when the config or the weights change
+    max_positions: int
+    vocab_size: int  # input_ids are in [0, vocab_size)
+    type_vocab_size: int  # token_type_ids are in [0, type_vocab_size); RoBERTa-style models have 1
+    family: str  # a FAMILIES key (config.json's model_type)
+    task: str  # a TASKS key
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """What the compiled model takes, in order."""
+        return FAMILIES[self.family].inputs
+
+    @property
+    def input_limits(self) -> dict[str, int]:
+        """Each input's values lie in [0, limit)."""
+        limits = {"input_ids": self.vocab_size, "attention_mask": 2, "token_type_ids": self.type_vocab_size}
+        return {name: limits[name] for name in self.inputs}
+
+
+def _hash(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def resolve(name: str, seed: int = 0, task: str | None = None) -> ModelSource:
+    """Turns a preset name or a directory path into a ModelSource, or says clearly why not.
+    ``task``: the head to compile; None takes the one config.json's ``architectures`` names."""
+    if task is not None and task not in TASKS:
+        close = difflib.get_close_matches(task, TASKS, n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise InputError(f"unknown task '{task}': tvmbert compiles {', '.join(TASKS)}{hint}")
+    if name in PRESETS:
+        preset = PRESETS[name]
+        task = task or DEFAULT_TASK
+        return ModelSource(
+            name=name,
+            key=(name if seed == 0 else f"{name}-seed{seed}") + _task_suffix(task),
+            preset=name,
+            path=None,
+            fingerprint=_hash(json.dumps(preset_config_kwargs(preset), sort_keys=True), f"seed={seed}", f"task={task}"),
+            max_positions=preset.max_positions,
+            vocab_size=preset.vocab_size,
+            type_vocab_size=preset.type_vocab_size,
+            family=preset.family,
+            task=task,
+        )
+    path = Path(name).expanduser()
+    looks_like_path = os.sep in name or name.startswith(".") or path.exists()
+    if not looks_like_path:
+        close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise InputError(
+            f"unknown model '{name}': not a preset ({', '.join(PRESETS)}) nor an existing directory{hint}"
+        )
+    if not path.exists():
+        raise InputError(f"model directory '{name}' does not exist")
+    if not path.is_dir():
+        raise InputError(f"'{name}' is a file, not a model directory (one with config.json and weights)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(f"'{name}' is not a HuggingFace model directory: config.json is missing")
+    try:
+        config_json = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(config_json, dict):
+        raise InputError(f"{config_file}: not a JSON object of settings (it holds a {type(config_json).__name__})")
+    model_type = config_json.get("model_type")
+    if model_type not in FAMILIES:
+        raise InputError(
+            f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(FAMILIES)}"
+        )
+    task = task or _task_from_architectures(name, config_json, FAMILIES[model_type])
+    weights = [path / f for f in WEIGHT_FILES if (path / f).is_file()]
+    if not weights:
+        raise InputError(f"'{name}' has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+    stats = [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
+    resolved = path.resolve()
+    return ModelSource(
+        name=name,
+        key=f"{resolved.name}-{_hash(str(resolved))[:8]}{_task_suffix(task)}",
+        preset=None,
+        path=resolved,
+        fingerprint=_hash(config_file.read_text(), *stats, f"task={task}"),
+        max_positions=_positive(config_json, "max_position_embeddings", 512, config_file),
+        vocab_size=_positive(config_json, "vocab_size", 30522, config_file),
+        type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file),
+        family=model_type,
+        task=task,
+    )
+
+
+def _task_suffix(task: str) -> str:
+    """Artifacts of a head apart from the bare encoder's (their key names the task)."""
+    return "" if task == DEFAULT_TASK else f"-{task}"
+
+
+def _task_from_architectures(name: str, config_json: dict, family: Family) -> str:
+    """The head config.json's ``architectures`` names; a head tvmbert cannot compile is an error,
+    never dropped in silence (the user would get hidden states instead of their logits)."""
+    architectures = config_json.get("architectures") or []
+    if not isinstance(architectures, list) or not architectures:
+        return DEFAULT_TASK
+    architecture = str(architectures[0])
+    task = task_of_architecture(architecture, family)
+    if task is None:
+        supported = ", ".join(f"{family.model_prefix}{t.class_suffix} ({n})" for n, t in TASKS.items())
+        raise InputError(f"'{name}' is a {architecture}, a head tvmbert does not compile; it compiles {supported}. "
+                         f"--task feature-extraction compiles its encoder alone")
+    return task
+
+
+def _positive(config_json: dict, key: str, default: int, config_file: Path) -> int:
+    """A size from config.json, checked here: a bad one would otherwise fail deep in transformers."""
+    value = config_json.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{config_file}: '{key}' must be a number >= 1, got {value!r}")
+    return value
+
+
+def preset_config(name: str, task: str = DEFAULT_TASK):
+    """The transformers config of a preset: its family's defaults, the preset's sizes, eager attention."""
+    import transformers
+
+    preset = PRESETS[name]
+    sizes = {**preset_config_kwargs(preset), "vocab_size": preset.vocab_size, "max_position_embeddings": preset.max_positions}
+    if TASKS[task].fixed_labels:
+        sizes["num_labels"] = TASKS[task].fixed_labels
+    return getattr(transformers, FAMILIES[preset.family].config_class)(**sizes, attn_implementation="eager")
+
+
+def model_class(source: ModelSource):
+    """The transformers class of the source's family with its task's head."""
+    import transformers
+
+    return getattr(transformers, FAMILIES[source.family].model_prefix + TASKS[source.task].class_suffix)
+
+
+def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implementation: str = "eager"):
+    """The PyTorch module in eval mode, with a positional signature (the family's inputs, in
+    order) returning a tuple: the task's outputs, in order (``.input_names``, ``.output_names``)."""
+    import torch
+
+    class TaskOutputs(torch.nn.Module):
+        """Fixes the signature to the family's inputs -> the task's outputs, as a tuple."""
+
+        def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], output_names: tuple[str, ...]):
+            super().__init__()
+            self.model, self.input_names, self.output_names = model, input_names, output_names
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            """Named as the compiled model's inputs are (torch.export takes the names from here)."""
+            given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+            out = self.model(**{name: given[name] for name in self.input_names})
+            return tuple(out[name] for name in self.output_names)
+
+    if source.preset is not None:
+        config = preset_config(source.preset, source.task)
+        config._attn_implementation = attn_implementation
+        torch.manual_seed(seed)
+        model = model_class(source)(config)
+    else:
+        model = _from_directory(source, attn_implementation)
+    outputs = TASKS[source.task].outputs
+    if getattr(model, "pooler", None) is None:  # DistilBERT, ELECTRA, and encoders saved without one
+        outputs = tuple(name for name in outputs if name != "pooler_output")
+    return TaskOutputs(model, source.inputs, outputs).to(getattr(torch, dtype)).eval()
+
+
+PACKED_ATTENTION = "tvmbert_packed"  # the name it is registered under in transformers' AttentionInterface
+
+
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, token_slot=None, gather_index=None,
+                      **kwargs):
+    """Attention per sequence for a packed stream (packing.py): q, k, v [1, heads, T, d] gathered
+    into the [batch, seq_len] slot grid, eager attention there under the grid's additive key mask,
+    and each token's row scattered back to the stream, [1, T, heads, d]. Eval only (no dropout)."""
+    import torch
+
+    batch, seq_len = gather_index.shape
+    flat = gather_index.reshape(-1)
+    q, k, v = (x[0].index_select(1, flat).reshape(x.shape[1], batch, seq_len, x.shape[3]).transpose(0, 1)
+               for x in (query, key, value))
+    weights = torch.matmul(q, k.transpose(2, 3)) * (q.size(-1) ** -0.5 if scaling is None else scaling) + attention_mask
+    out = torch.matmul(torch.nn.functional.softmax(weights, dim=-1), v).transpose(1, 2)  # [batch, seq_len, heads, d]
+    return out.reshape(batch * seq_len, *out.shape[2:]).index_select(0, token_slot)[None], None
+
+
+def load_packed(source: ModelSource, dtype: str = "float32", seed: int = 0):
+    """The model as a packed build runs it (packing.py): the same transformers model on a [1, T]
+    token stream, its attention per sequence through ``_packed_attention``. Positional inputs
+    ``packing.input_names``; returns per-token outputs [T, ...] and the pooler's [batch, hidden].
+    ``.positions`` says how the loader numbers positions for it."""
+    import torch
+    from transformers import AttentionInterface
+
+    from tvmbert.deploy.packing import input_names
+
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+    task_outputs = load(source, dtype, seed)
+    model, family = task_outputs.model, FAMILIES[source.family]
+    model.config._attn_implementation = PACKED_ATTENTION
+    per_token = TASKS[source.task].per_token
+
+    class PackedOutputs(torch.nn.Module):
+        """The family's model on the stream; the pooler on each sequence's first token."""
+
+        def __init__(self):
+            super().__init__()
+            self.model, self.input_names, self.output_names = model, input_names(source.inputs), task_outputs.output_names
+            self.positions = {"rule": family.positions, "pad": int(getattr(model.base_model.embeddings, "padding_idx", None) or 0)}
+
+        def forward(self, input_ids, position_ids, token_slot, gather_index, key_mask, token_type_ids=None):
+            """Named as the compiled model's inputs are (torch.export takes the names from here)."""
+            mask = (1.0 - key_mask.to(self.model.dtype)) * torch.finfo(self.model.dtype).min
+            given = {"input_ids": input_ids[None], "position_ids": position_ids[None]}
+            if token_type_ids is not None:
+                given["token_type_ids"] = token_type_ids[None]
+            out = self.model(**given, attention_mask=mask[:, None, None, :], token_slot=token_slot, gather_index=gather_index)
+            results = []
+            for name in self.output_names:
+                if name in per_token:
+                    results.append(out[name][0])
+                else:  # pooler_output (the one per-sequence output of a packable task)
+                    first = out["last_hidden_state"][0].index_select(0, gather_index[:, 0])
+                    results.append(family.pool(self.model.base_model, first))
+            return tuple(results)
+
+    return PackedOutputs().eval()
+
+
+def _from_directory(source: ModelSource, attn_implementation: str):
+    """The model in a HuggingFace directory, or an InputError: everything read here is the user's
+    files (truncated or garbage weights, weights of other shapes than config.json says)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report is a table; what matters in it is said below
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = model_class(source).from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
+                                                          output_loading_info=True, ignore_mismatched_sizes=True)
+    except Exception as exc:  # noqa: BLE001 - safetensors, pickle, torch and transformers each raise their own
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+        raise InputError(f"cannot load the model in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    mismatched = sorted(info["mismatched_keys"])
+    if mismatched:
+        key, stored, expected = mismatched[0]
+        raise InputError(f"the weights in '{source.name}' do not match its config.json: {key} is {list(stored)} in the "
+                         f"weight file and {list(expected)} by config.json ({len(mismatched)} weights differ)")
+    fixed = TASKS[source.task].fixed_labels
+    if fixed and model.config.num_labels != fixed:
+        raise InputError(f"'{source.name}' has num_labels {model.config.num_labels}; a {source.task} head has {fixed}")
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        print(f"warning: '{source.name}' has no weights for {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: "
+              "transformers initialized them at random", file=sys.stderr)
+    return model
+
+
+@dataclass(frozen=True)
+class ExampleInputs:
+    """The model's inputs by name, in the order its compiled signature takes them."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.tensors.values())
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.tensors)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tensors["input_ids"]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.tensors["attention_mask"]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+
+def make_inputs(source: ModelSource, ids, mask, segments) -> ExampleInputs:
+    """The source's inputs from full (ids, mask, segment ids) rows: a family without segment ids drops them."""
+    given = {"input_ids": ids, "attention_mask": mask, "token_type_ids": segments}
+    return ExampleInputs({name: given[name] for name in source.inputs})
+
+
+def has_tokenizer(source: ModelSource) -> bool:
+    return source.path is not None and any(
+        (source.path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")
+    )
+
+
+def example_inputs(source: ModelSource, batch: int, seq_len: int | None, text: str | None) -> ExampleInputs:
+    """Tokenized text when the model has a tokenizer, otherwise deterministic ids of batch x seq_len."""
+    import torch
+
+    if text is not None and not has_tokenizer(source):
+        raise InputError(f"--text needs a tokenizer, and '{source.name}' has none (presets never do)")
+    if has_tokenizer(source):
+        return _tokenized(source, batch, seq_len, text or DEFAULT_TEXT)
+    seq_len = seq_len or DEFAULT_SEQ_LEN
+    check_seq_len(source, seq_len)
+    vocab, segment_kinds = source.vocab_size, source.type_vocab_size
+    generator = torch.Generator().manual_seed(1234)
+    # Ids start above the special tokens so every row looks like ordinary text.
+    ids = torch.randint(1000 if vocab > 2000 else 5, vocab, (batch, seq_len), generator=generator)
+    segments = torch.zeros(batch, seq_len, dtype=torch.long)
+    if segment_kinds > 1:
+        segments[:, seq_len // 2 :] = 1
+    return make_inputs(source, ids, torch.ones(batch, seq_len, dtype=torch.long), segments)
+
+
+def input_shape(source: ModelSource, batch: int, seq_len: int | None, text: str | None) -> tuple[int, int] | None:
+    """The example inputs' shape when it is known without tokenizing (and importing torch)."""
+    if seq_len is not None or not has_tokenizer(source):
+        return batch, seq_len or DEFAULT_SEQ_LEN
+    return None
+
+
+def check_seq_len(source: ModelSource, seq_len: int) -> None:
+    if seq_len <= 0:
+        raise InputError(f"--seq-len must be positive, got {seq_len}")
+    if seq_len > source.max_positions:
+        raise InputError(f"--seq-len {seq_len} is above the model's max_position_embeddings ({source.max_positions})")
+
+
+def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) -> ExampleInputs:
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # Segment ids as in the TorchScript tutorial: 0 up to and including the first [SEP], then 1.
+    sep = tokenizer.sep_token_id
+    first_sep = ids.index(sep) if sep in ids else len(ids) - 1
+    segments = [0 if i <= first_sep else 1 for i in range(len(ids))]
+    if not ids:
+        raise InputError(f"--text {text!r} has no tokens")
+    if seq_len is not None and len(ids) > seq_len:
+        raise InputError(f"--text has {len(ids)} tokens and --seq-len is {seq_len}: give a --seq-len of at least {len(ids)}, "
+                         "or a shorter text")
+    length = seq_len or len(ids)
+    check_seq_len(source, length)
+    pad = tokenizer.pad_token_id or 0
+    mask = [1] * len(ids) + [0] * (length - len(ids))
+    ids = ids + [pad] * (length - len(ids))
+    segments = segments + [0] * (length - len(segments))
+    rows = lambda values: torch.tensor([values] * batch, dtype=torch.long)  # noqa: E731
+    return make_inputs(source, rows(ids), rows(mask), rows(segments))

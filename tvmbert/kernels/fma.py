@@ -1,0 +1,257 @@
+"""fp32 matmuls by a weight on a hand-written FMA micro-kernel: the kernel and the graph rewrite
+that calls it. Below the stages: optimize adds the rewrite (pass ``fma-fp32``).
+
+Where a matmul has enough rows to be bound by arithmetic (batch x tokens >= ``MIN_ROWS``: 1 x 128,
+8 x 128; from 16 rows on), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
+this machine's ~400 (two Sapphire Rapids cores: a loop of register-only FMAs runs 200 GFLOP/s on
+each) after 300 trials each, and TVM offers no fp32
+micro-kernel intrinsic. This kernel is the classic BLAS one (MLAS, oneDNN): the weight packed once
+at build time into panels of ``vectors x lanes`` columns (``Wp[N / width, K, width]``, each panel
+contiguous), each thread owning whole panels; per tile of ``rows`` rows, ``rows x vectors``
+accumulator registers for the whole reduction, each k step one broadcast per row and one load per
+vector; bias, activation or residual applied as the tile is stored (``kernel_calls.Epilogues``).
+A panel is read from memory once, by the first row tile, and the next tiles find it in cache; the
+first would stall on memory, so while a panel is computed the kernel prefetches the next one,
+spread evenly over the panel's row tiles. Measured on
+bert-base's 128 x 768 -> 3072 alone (2 threads, weights not in cache): ~280 GFLOP/s against 219
+for the tuned record. The rows past the last whole tile take one smaller tile; N must be a
+multiple of the vector lanes. Other matmuls (attention's two, few rows, a 2-label head) keep
+their schedules (tuning databases, default schedules).
+"""
+
+from __future__ import annotations
+
+from tvmbert.kernels.scalar_math import gelu_float32
+
+KERNEL_ATTR = "tvmbert.fma_f32"  # PrimFunc attribute marking the kernel (build counts them)
+ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for none): what a variant of it needs
+# Below this a matmul by a weight is bound by streaming the weight, and tuned schedules do that
+# better (bert-base 1 x 14: 18.7 ms tuned, 20.4 on the kernel); from it on the kernel wins, and
+# against untuned shapes by far (bert-base 1 x 16 untuned 40.8 ms, on the kernel 21.3; an export's
+# small buckets are rarely tuned).
+MIN_ROWS = 16
+CACHE_LINE = 64
+STACK_BYTES = 1023  # the largest buffer TVM allocates on the stack (runtime::kMaxStackAlloca - 1)
+# Activations the kernel applies as it stores a tile (Relax op -> what it does to a float32 PrimExpr): the
+# FFN's GELU then costs no pass over its 4 x hidden activations (bert-base 8 x 128: 2.9 ms x 12).
+ACTIVATIONS = {"relax.nn.gelu": gelu_float32}
+
+
+def tile(n: int, lanes: int) -> tuple[int, int] | None:
+    """(rows, vectors) of the accumulator tile for N columns and the target's vector lanes: as
+    many accumulators as leave a register per weight vector and one for the broadcast (32 vector
+    registers with AVX-512, 16 with AVX2), or None when N is not a multiple of the lanes. With
+    AVX-512, 6 x 4 where N allows (10 loads per 24 FMAs against 8 x 3's 11: bert-base's four
+    matmuls at 8 x 128, 2 threads, alone: 1-4% faster), else 8 x 3, 8 x 2, 8 x 1."""
+    shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((4, 3), (4, 2), (4, 1))
+    return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
+
+
+def prefetch_to_l2(address):
+    """TIR: a software prefetch of the line at ``address`` (read, into L2: locality 2, data)."""
+    from tvm.script import tirx as T
+
+    return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id("llvm.prefetch.p0"), address, T.int32(0), T.int32(2),
+                              T.int32(1))
+
+
+def lanes_of(tvm_target) -> int:
+    """fp32 lanes of the kernel's vectors: 16 with AVX-512, 8 with AVX2 and FMA, 0 without (the
+    pass does not apply)."""
+    from tvm.target.codegen import target_has_features
+
+    if tvm_target.kind.name != "llvm":
+        return 0
+    if target_has_features("avx512f", tvm_target):
+        return 16
+    return 8 if target_has_features(["avx2", "fma"], tvm_target) else 0
+
+
+def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
+           residual: bool = False, panel_major: bool = False):
+    """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
+    packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) any row count (the
+    rows past the last whole tile take a tile of their own); ``act`` one of ``ACTIVATIONS`` or
+    none; without ``residual``, r is one unread float. ``panel_major`` (no residual) writes y as
+    ``y[n / width, m, width]``: each panel's columns of all rows together (``panel_major_variant``)."""
+    import tvm
+    from tvm.script import tirx as T
+
+    assert not (panel_major and residual)
+    epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
+    lead = tuple(lead) if lead else (m,)
+    residual_shape = (*lead, n) if residual else (1,)
+
+    rows, vectors = tile(n, lanes)
+    width = vectors * lanes
+    y_shape = (n // width, m, width) if panel_major else (*lead, n)
+
+    panels, tiles, last_rows = n // width, m // rows, m % rows
+    k_block = max(d for d in range(1, 17) if k % d == 0)  # k steps unrolled between prefetches
+    k_blocks = k // k_block
+    panel_lines = k * width * 4 // CACHE_LINE
+    steps = (tiles + (last_rows > 0)) * k_blocks
+    # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles
+    # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
+    per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
+    line_floats = CACHE_LINE // 4
+
+    def whole(buffer):
+        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
+
+    # TVM puts a buffer on the stack only in scope "global" and under ``STACK_BYTES``; any other
+    # is a heap workspace that LLVM zeroes (memset) and stores at every tile. On the stack, LLVM
+    # keeps the accumulators in registers alone: a tile's rows in two buffers (head, tail) that fit.
+    group_rows = STACK_BYTES // (width * 4)
+    assert rows <= 2 * group_rows, (rows, width)
+
+    def groups(tile_rows):
+        return min(tile_rows, group_rows), tile_rows - min(tile_rows, group_rows)
+
+    @T.macro
+    def accumulate(xf, wp, acc, p, first_row, group, kb, kk):
+        for i in T.unroll(group):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    acc[i, v * lanes + j] = acc[i, v * lanes + j] + xf[first_row + i, kb * k_block + kk] \
+                        * wp[p, kb * k_block + kk, v * lanes + j]
+
+    @T.macro
+    def store(b, rf, yf, acc, p, first_row, group):
+        for i in T.unroll(group):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    if residual:
+                        yf[first_row + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
+                            + b[p * width + v * lanes + j] + rf[first_row + i, p * width + v * lanes + j]
+                    elif panel_major:
+                        yf[p, first_row + i, v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+                    else:
+                        yf[first_row + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
+
+    @T.macro
+    def row_tile(xf, wp, wf, b, rf, yf, p, t, head, tail):  # rows t * rows .. + head + tail of panel p
+        acc_head = T.alloc_buffer((head, width), "float32")
+        acc_tail = T.alloc_buffer((max(tail, 1), width), "float32")  # unused (TVM has no empty buffer) without a tail
+        for i in T.unroll(head):
+            for x in T.vectorized(width):
+                acc_head[i, x] = T.float32(0)
+        if tail > 0:
+            for i in T.unroll(tail):
+                for x in T.vectorized(width):
+                    acc_tail[i, x] = T.float32(0)
+        for kb in range(k_blocks):
+            for q in T.unroll(per_step):
+                T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(
+                    (t * k_blocks + kb) * per_step + q, panel_lines - 1) * line_floats])))
+            for kk in T.unroll(k_block):
+                accumulate(xf, wp, acc_head, p, t * rows, head, kb, kk)
+                if tail > 0:
+                    accumulate(xf, wp, acc_tail, p, t * rows + head, tail, kb, kk)
+        store(b, rf, yf, acc_head, p, t * rows, head)
+        if tail > 0:
+            store(b, rf, yf, acc_tail, p, t * rows + head, tail)
+
+    @T.prim_func(s_tir=True)
+    def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
+                   b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"), y: T.Buffer(y_shape, "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, ACTIVATION_ATTR: activation or "",
+                     "op_pattern": 8})
+        with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
+            with T.sblock("fma_tiles"):  # and a block under it
+                T.reads(whole(x), whole(wp), whole(b), whole(r))
+                T.writes(whole(y))
+                xf = T.decl_buffer((m, k), "float32", data=x.data)
+                rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
+                yf = T.decl_buffer((n // width, m, width) if panel_major else (m, n), "float32", data=y.data)
+                wf = T.decl_buffer((panels * k * width,), "float32", data=wp.data)
+                for p in T.parallel(panels):
+                    for t in range(tiles):
+                        row_tile(xf, wp, wf, b, rf, yf, p, t, *groups(rows))
+                    if last_rows > 0:
+                        row_tile(xf, wp, wf, b, rf, yf, p, tiles, *groups(last_rows))
+
+    assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
+    return fma_matmul
+
+
+def panel_major_variant(call, function, lanes: int):
+    """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
+    ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
+    ``[n / width, m, width]``; None for one with a residual. Writing a tile's rows into one panel
+    is cheaper than into rows ``n`` floats apart (bert-base's Q/K/V projection at 8 x 128 alone:
+    12.1 -> 11.7 ms), and where the panel width is the head size (6 x 4 tiles, bert-base), each
+    panel is one head's Q, K or V, which the attention kernel then reads whole."""
+    import numpy as np
+
+    from tvmbert.passes.kernel_calls import static_shape
+
+    x, wp, _, r = (static_shape(arg) for arg in call.args[1].fields)
+    if r != (1,):
+        return None
+    lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
+    m, width = int(np.prod(lead)), wp[2]
+    activation = str(function.attrs[ACTIVATION_ATTR]) or None
+    return kernel(m, n, k, lanes, lead, activation, panel_major=True), (n // width, m, width)
+
+
+def pack_weight(weight, width: int):
+    """Relax: W[K, N] -> Wp[N / width, K, width] (a reshape and a transpose of a weight alone,
+    which bind-params lifts into the build-time weight transform)."""
+    from tvm import relax
+
+    k, n = (int(d) for d in weight.ty.shape)
+    return relax.op.permute_dims(relax.op.reshape(weight, (k, n // width, width)), [1, 0, 2])
+
+
+def fma_matmuls(lanes: int):
+    """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
+    ``MIN_ROWS`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
+    call of the kernel on W packed, together with the activation or the residual add that follows
+    it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
+    from tvm import relax
+
+    from tvmbert.passes.kernel_calls import (
+        Epilogues,
+        KernelFunctions,
+        function_pass,
+        kernel_operands,
+        row_count,
+        weight_matmul_sizes,
+        weights_of,
+    )
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def __init__(self, module):
+            super().__init__(module)
+            self.kernels = KernelFunctions("fma_matmul_", lambda m, lead, n, k, activation, residual, _:
+                                           kernel(m, n, k, lanes, lead, activation, residual))
+            self.weights = set()
+            self.epilogues = None
+
+        def start(self, function):
+            self.weights = weights_of(function)
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
+
+        def fits(self, call):
+            sizes = weight_matmul_sizes(call, self.weights)
+            if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
+                return None
+            lead, n, _ = sizes
+            return sizes if row_count(lead) >= MIN_ROWS and tile(n, lanes) is not None else None
+
+        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
+            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
+            lead, n, k = sizes
+            _, vectors = tile(n, lanes)
+            packed = self.builder_.emit(pack_weight(weight, vectors * lanes))
+            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
+            return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(packed, bias, residual)],
+                                  relax.TensorType((*lead, n), out_dtype))
+
+        def visit_var_binding_(self, binding):
+            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
+                super().visit_var_binding_(binding)
+
+    return function_pass("FmaFp32Matmuls", Rewriter)

@@ -1,0 +1,170 @@
+"""The engines bench times: set up from registry.ENGINES (a factory per entry below), and checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tvmbert.core import registry
+from tvmbert.core.config import torch_dtype
+from tvmbert.deploy import packing
+from tvmbert.deploy.compiled import CompiledModel
+from tvmbert.frontend import models
+from tvmbert.stages.build import build
+from tvmbert.stages.job import Job
+
+ENGINES = tuple(registry.ENGINES)  # their names, in report order
+DEFAULT_ENGINES = tuple(name for name, engine in registry.ENGINES.items() if engine.default)
+# A sanity check of each engine against PyTorch eager in fp32 (fp64 for float64), not verify's bar.
+CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2}
+# The dtype the PyTorch peers run in, per --dtype: with --dtype bfloat16 the model cast to bf16,
+# as HuggingFace users run bf16 inference on CPUs (from_pretrained(torch_dtype=torch.bfloat16));
+# bert-base 1 x 128 on Sapphire Rapids, 2 threads: 36 ms cast vs 59 ms under torch.autocast and
+# 103 ms in fp32, so the cast is also the faster peer. Everything runs in bf16 there (layer norm,
+# softmax, GELU too), so its error against fp32 is larger than TVM's: PEER_CHECK_TOLERANCE.
+# float16 peers stay float32 (PyTorch's CPU fp16 is slow); ONNX Runtime always runs float32.
+PEER_DTYPE = {"bfloat16": "bfloat16"}
+PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1}
+
+
+def peer_dtype(dtype: str) -> str:
+    return PEER_DTYPE.get(dtype, torch_dtype(dtype))
+
+
+def check_tolerance(engine: str, dtype: str) -> float:
+    if engine.startswith("torch") and peer_dtype(dtype) != torch_dtype(dtype):
+        return PEER_CHECK_TOLERANCE[dtype]
+    return CHECK_TOLERANCE[dtype]
+
+
+@dataclass
+class Engine:
+    name: str
+    run: Callable[[], object]  # one inference, synchronized
+    outputs: Callable[[], list[np.ndarray]]  # one inference, results on the host
+    setup_s: float = 0.0  # export / compile / build / load: the one-time cost
+    memory_mb: float = 0.0  # resident memory the engine added when set up and first run
+    timings_ms: list[float] = field(default_factory=list)
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def tvm_engine(job: Job, inputs, threads: int) -> Engine:
+    built = job.upstream("build", build)
+    compiled = CompiledModel(built, job)
+    device_inputs = compiled.to_device([t.numpy() for t in inputs])
+
+    def run():
+        compiled.run_on_device(device_inputs)
+        compiled.sync()
+
+    engine = Engine("tvm", run, lambda: compiled([t.numpy() for t in inputs]))
+    engine.setup_s = float(built.meta.get("build_seconds", 0.0))
+    return engine
+
+
+def tvm_packed_engine(job: Job, inputs, threads: int) -> Engine:
+    """The packed build of these rows, its token capacity exactly their real tokens: what a
+    padding-free runtime computes (same rows in, outputs back in rows)."""
+    mask = inputs[job.inputs.names.index("attention_mask")].numpy()
+    tokens = int(packing.lengths(mask, mask.shape).sum())
+    engine = tvm_engine(Job(replace(job.config, tokens=tokens), no_deps=job.no_deps, say=job.say), inputs, threads)
+    engine.name = "tvm-packed"
+    return engine
+
+
+def _torch(name: str, job: Job, inputs, attention: str, compiled: bool = False, dtype: str | None = None) -> Engine:
+    import torch
+
+    model = models.load(job.source, dtype or peer_dtype(job.config.dtype), job.config.seed, attn_implementation=attention)
+    if compiled:
+        model = torch.compile(model, backend="inductor")
+
+    def run():
+        with torch.inference_mode():
+            return model(*inputs)
+
+    return Engine(name, run, lambda: [t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in run()])
+
+
+def reference(job: Job, inputs) -> list[np.ndarray]:
+    """What every engine is checked against: PyTorch eager in fp32 (fp64 for float64)."""
+    return [np.asarray(o) for o in _torch("torch-eager", job, inputs, "eager", dtype=torch_dtype(job.config.dtype)).outputs()]
+
+
+def torch_eager(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-eager", job, inputs, "eager")
+
+
+def torch_sdpa(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-sdpa", job, inputs, "sdpa")
+
+
+def torch_compile(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-compile", job, inputs, "sdpa", compiled=True)
+
+
+def onnx_session(job: Job, path, sample, threads: int, dynamic_shapes=None):
+    """An ONNX Runtime session on the job's model, exported to ``path`` once (atomically) from
+    ``sample`` inputs (torch tensors); ``dynamic_shapes`` as torch.onnx.export takes them."""
+    import onnxruntime as ort
+    import torch
+
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
+        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
+        torch.onnx.export(model, tuple(sample), str(tmp), input_names=list(job.source.inputs), output_names=list(model.output_names),
+                          dynamic_shapes=dynamic_shapes, dynamo=True, optimize=True, verbose=False)
+        tmp.replace(path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
+    session = onnx_session(job, job.stage_dir("build").parent / "onnx" / "model.onnx", inputs, threads)
+    feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
+    return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
+
+
+def _available(name: str) -> str | None:
+    """Why an engine cannot run here, or None."""
+    missing = [m for m in registry.ENGINES[name].requires if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"not installed ({', '.join(missing)}): pip install 'tvmbert[peers]'"
+    return None
+
+
+def _make(name: str, job: Job, inputs, threads: int) -> Engine:
+    factory = registry.resolve(registry.ENGINES[name].factory)
+    before, started = _rss_mb(), time.perf_counter()
+    engine = factory(job, inputs, threads)
+    engine.run()  # first call: lazy compilation (torch.compile) and allocation belong to setup
+    engine.setup_s += time.perf_counter() - started
+    engine.memory_mb = max(0.0, _rss_mb() - before)
+    return engine
+
+
+def _check(engine: Engine, expected: list[np.ndarray], mask: np.ndarray, per_token: list[bool], tolerance: float) -> str | None:
+    """Compares per-token outputs on real tokens only: padded positions are not part of anybody's answer."""
+    got = engine.outputs()
+    if len(got) != len(expected):
+        return f"returned {len(got)} outputs, expected {len(expected)}"
+    worst = 0.0
+    for have, want, token_rows in zip(got, expected, per_token):
+        diff = np.abs(np.asarray(have, dtype=np.float64) - want.astype(np.float64))
+        if token_rows:
+            diff = diff[mask.astype(bool)]
+        worst = max(worst, float(diff.max()))
+    return f"wrong results: max abs diff {worst:.3g} > {tolerance:.3g}" if worst > tolerance else None

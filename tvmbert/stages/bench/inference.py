@@ -1,0 +1,120 @@
+"""The inference bench: every engine on the same inputs, per shape of a sweep (batch, sequence
+length, padding), checked then timed together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tvmbert.core.config import torch_dtype
+from tvmbert.core.errors import InputError, ToolchainError
+from tvmbert.core.families import TASKS
+from tvmbert.core.targets import cpu_count
+from tvmbert.stages.bench.engines import DEFAULT_ENGINES, _available, _check, _make, check_tolerance, peer_dtype, reference
+from tvmbert.stages.bench.timing import _ratios, _summary, environment, measure, set_threads
+from tvmbert.stages.build import build
+from tvmbert.stages.job import Job
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    seq_len: int
+    padding: float  # fraction of every sequence that is padding in the attention mask
+
+
+def padded_inputs(job: Job, padding: float) -> tuple:
+    """The job's example inputs with the last ``padding`` fraction of every sequence masked out
+    (and zero there in every input)."""
+    inputs = tuple(t.clone() for t in job.inputs.as_tuple())
+    seq_len = inputs[0].shape[1]
+    real = max(1, seq_len - int(round(seq_len * padding)))
+    for tensor in inputs:
+        tensor[:, real:] = 0
+    return inputs
+
+
+def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: int) -> dict:
+    """One shape: every engine set up, checked, then timed together."""
+    options = job.config.bench
+    inputs = padded_inputs(job, shape.padding)
+    mask = inputs[job.inputs.names.index("attention_mask")].numpy()
+    report: dict = {}
+    engines = []
+    built = job.upstream("build", build)  # built (or found) first: memory_mb and setup_s are about running it
+    per_token = [output["name"] in TASKS[job.source.task].per_token for output in built.meta["outputs"]]
+    for name in engine_names:
+        reason = _available(name)
+        if reason is None and name == "tvm":
+            engines.append(_make(name, job, inputs, threads))  # the subject: its failures are errors
+            continue
+        if reason is None:
+            try:
+                engines.append(_make(name, job, inputs, threads))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is skipped, with the reason
+                first = (str(exc).strip().splitlines() or [""])[0][:160]
+                reason = f"failed to set up: {type(exc).__name__}: {first}"
+        if reason is not None:
+            report[name] = {"skipped": reason}
+            job.say(f"bench: {name} skipped: {reason}")
+    eager = next((e for e in engines if e.name == "torch-eager"), None)
+    if eager is not None and peer_dtype(job.config.dtype) == torch_dtype(job.config.dtype):
+        expected = [np.asarray(o) for o in eager.outputs()]
+    else:  # no eager engine, or it runs in bf16: the fp32 reference apart
+        expected = reference(job, inputs)
+    timed = []
+    for engine in engines:
+        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype))
+        if problem:
+            report[engine.name] = {"skipped": problem}
+            job.say(f"bench: {engine.name} not timed: {problem}")
+        else:
+            timed.append(engine)
+    job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
+            f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
+    measure(timed, options.warmup, options.repeat, options.min_time_s)
+    for engine in timed:
+        report[engine.name] = _summary(engine, shape.batch)
+    ordered = {name: report[name] for name in engine_names if name in report}
+    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered)}
+
+
+def engine_dtypes(dtype: str, engines) -> dict[str, str]:
+    """What each engine computes in, as the report says it."""
+    described = {}
+    for name in engines:
+        if name.startswith("tvm"):
+            described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
+                               "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32"}.get(dtype, dtype)
+        elif name.startswith("torch"):
+            peer = peer_dtype(dtype)
+            described[name] = f"{peer} (model cast to {peer})" if peer != torch_dtype(dtype) else peer
+        else:
+            described[name] = torch_dtype(dtype)
+    return described
+
+
+def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (), paddings: tuple[float, ...] = (0.0,)) -> dict:
+    if not job.target.device_present():
+        raise ToolchainError(f"bench runs the model: this machine has no {job.target.kind} device")
+    engines = job.config.bench.engines or DEFAULT_ENGINES
+    if any(not 0.0 <= p < 1.0 for p in paddings):
+        raise InputError("--padding must be a fraction in [0, 1)")
+    if "tvm" not in engines:
+        engines = ("tvm", *engines)
+    threads = job.config.bench.threads or cpu_count()
+    set_threads(threads)
+    results = []
+    for batch in batches or (job.config.batch,):
+        for seq_len in seq_lens or (job.config.seq_len,):
+            shaped = Job(replace(job.config, batch=batch, seq_len=seq_len), no_deps=job.no_deps, say=job.say)
+            for padding in paddings:
+                actual = Shape(*shaped.inputs.shape, padding)
+                results.append(bench_shape(shaped, actual, engines, threads))
+    report = {"model": job.source.name, "dtype": job.config.dtype, "environment": environment(job, threads),
+              "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
+    if len(results) == 1:  # one shape: its numbers at the top level too
+        report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})
+        report["shape"] = {"batch": results[0]["batch"], "seq_len": results[0]["seq_len"], "padding": results[0]["padding"]}
+    return report

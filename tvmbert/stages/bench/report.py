@@ -1,0 +1,75 @@
+"""The bench report as CSV, as a plot, and as a Markdown table for docs/."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from tvmbert.stages.bench.engines import ENGINES
+
+
+def to_csv(report: dict) -> str:
+    buffer = io.StringIO()
+    columns = ["model", "dtype", "batch", "seq_len", "padding", "engine", "median_ms", "p90_ms", "p99_ms", "mean_ms",
+               "runs", "throughput", "setup_s", "memory_mb", "skipped"]
+    writer = csv.DictWriter(buffer, fieldnames=columns)
+    writer.writeheader()
+    for result in report["results"]:
+        for engine, stats in result["engines"].items():
+            writer.writerow({"model": report["model"], "dtype": report["dtype"], "batch": result["batch"],
+                             "seq_len": result["seq_len"], "padding": result["padding"], "engine": engine, **stats})
+    return buffer.getvalue()
+
+
+def plot(report: dict) -> bytes:
+    """Latency against sequence length per engine, one panel per (batch, padding), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["batch"], r["padding"]) for r in report["results"]})
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (batch, padding) in zip(axes[0], panels):
+        rows = [r for r in report["results"] if r["batch"] == batch and r["padding"] == padding]
+        for engine in ENGINES:
+            points = sorted((r["seq_len"], r["engines"][engine]["median_ms"]) for r in rows
+                            if "median_ms" in r["engines"].get(engine, {}))
+            if points:
+                axis.plot(*zip(*points), marker="o", label=engine)
+        axis.set_title(f"{report['model']}, batch {batch}" + (f", {padding:.0%} padding" if padding else ""))
+        axis.set_xlabel("sequence length")
+        axis.set_ylabel("median latency (ms)")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    environment_line = report["environment"]
+    figure.suptitle(f"{environment_line['cpu']}, {environment_line['threads']} threads, {report['dtype']}", fontsize=9)
+    figure.tight_layout()
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=120)
+    plt.close(figure)
+    return png.getvalue()
+
+
+def to_markdown(report: dict, command: str) -> str:
+    """A results table for docs/, with the command and the environment that produced it."""
+    env = report["environment"]
+    lines = [
+        f"Command: `{command}`",
+        "",
+        f"Machine: {env['cpu']}, {env['threads']} threads of {env['cores']} cores, target `{env['target']}`; "
+        f"torch {env['torch']}, apache-tvm {env['apache-tvm']}, onnxruntime {env['onnxruntime']}, "
+        f"transformers {env['transformers']}; {report['model']}, {report['dtype']}, median ms (p90).",
+        "",
+    ]
+    names = [name for name in ENGINES if any(name in r["engines"] for r in report["results"])]
+    lines.append("| batch x seq | padding | " + " | ".join(names) + " | tvm / best other |")
+    lines.append("| --- | --- | " + " | ".join("---" for _ in names) + " | --- |")
+    for result in report["results"]:
+        cells = []
+        for name in names:
+            stats = result["engines"].get(name, {})
+            cells.append(f"{stats['median_ms']:.2f} ({stats['p90_ms']:.2f})" if "median_ms" in stats else "skipped")
+        ratio = f"{result['ratio']:.2f} vs {result['best_other']}" if result["ratio"] else "-"
+        lines.append(f"| {result['batch']} x {result['seq_len']} | {result['padding']:g} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines) + "\n"

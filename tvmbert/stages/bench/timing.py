@@ -1,0 +1,101 @@
+"""Fair timing: one thread count for every engine, interleaved rounds, summary statistics, and
+the machine they were taken on."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+
+from tvmbert.core.targets import HOST_CPUS, cpu_count
+from tvmbert.stages.bench.engines import Engine
+from tvmbert.stages.job import Job
+
+MAX_RUNS_FACTOR = 50  # a safety stop: never more than repeat x this many runs per engine
+ROUND_RUNS = 3  # consecutive runs of one engine per round: less cross-engine cache and thread-pool noise
+
+
+def set_threads(threads: int) -> None:
+    """The same thread count for every engine."""
+    import torch
+    import tvm
+
+    torch.set_num_threads(threads)
+    # -3: the threads share every core, unpinned like PyTorch's (mode 1 would pin this process).
+    tvm.get_global_func("runtime.config_threadpool")(-3, threads, [str(cpu) for cpu in HOST_CPUS])
+
+
+def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float) -> None:
+    """Rounds of a few consecutive runs per engine, until every engine has enough."""
+    for engine in engines:
+        for _ in range(warmup):
+            engine.run()
+    spent = {engine.name: 0.0 for engine in engines}
+    while any(len(e.timings_ms) < repeat or spent[e.name] < min_time_s for e in engines):
+        if all(len(e.timings_ms) >= repeat * MAX_RUNS_FACTOR for e in engines):
+            break
+        for engine in engines:
+            for _ in range(ROUND_RUNS):
+                started = time.perf_counter()
+                engine.run()
+                elapsed = time.perf_counter() - started
+                engine.timings_ms.append(elapsed * 1000.0)
+                spent[engine.name] += elapsed
+
+
+def _summary(engine: Engine, batch: int) -> dict:
+    values = np.array(engine.timings_ms)
+    median = float(np.median(values))
+    return {
+        "median_ms": round(median, 4),
+        "p90_ms": round(float(np.percentile(values, 90)), 4),
+        "p99_ms": round(float(np.percentile(values, 99)), 4),
+        "mean_ms": round(float(values.mean()), 4),
+        "runs": len(values),
+        "throughput": round(batch * 1000.0 / median, 2),  # sequences per second
+        "setup_s": round(engine.setup_s, 2),
+        "memory_mb": round(engine.memory_mb, 1),
+    }
+
+
+def _ratios(engines: dict) -> dict:
+    """ratio: tvm's median over the best other engine's (below 1: tvm is faster);
+    speedup: torch-eager's median over tvm's; packed_speedup: tvm's over tvm-packed's (the
+    padded build over the packed one; not a peer, so never the best other)."""
+    timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats}
+    if "tvm" not in timed:
+        return {"ratio": None, "best_other": None, "speedup": None, "packed_speedup": None}
+    others = {name: median for name, median in timed.items() if name not in ("tvm", "tvm-packed")}
+    best = min(others, key=others.get) if others else None
+    return {
+        "ratio": round(timed["tvm"] / others[best], 3) if best else None,
+        "best_other": best,
+        "speedup": round(timed["torch-eager"] / timed["tvm"], 3) if "torch-eager" in timed else None,
+        "packed_speedup": round(timed["tvm"] / timed["tvm-packed"], 3) if "tvm-packed" in timed else None,
+    }
+
+
+def environment(job: Job, threads: int) -> dict:
+    import importlib.metadata
+
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": cpu_count(),
+        "threads": threads,
+        "target": job.target.key,
+        "python": platform.python_version(),
+        **{name: version(name) for name in ("torch", "apache-tvm", "onnxruntime", "transformers")},
+    }

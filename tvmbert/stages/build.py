@@ -1,0 +1,104 @@
+"""Stage 5: compile for the target with the tuning database applied; export library + params."""
+
+from __future__ import annotations
+
+import time
+
+from tvmbert.core import artifacts
+from tvmbert.core.artifacts import Artifact
+from tvmbert.ir.files import LIBRARY_FILE, PARAMS_FILE, load_module, load_params, save_params
+from tvmbert.kernels import amx, attention, fma, layer_norm
+from tvmbert.passes.kernel_calls import kernels_in
+from tvmbert.stages.job import Job
+from tvmbert.stages.optimize import optimize
+from tvmbert.tuning import database
+from tvmbert.tuning.compile import PREPACK_ENTRY, compile_tuned
+
+
+def build(job: Job, force: bool = False) -> Artifact:
+    optimized = job.upstream("optimize", optimize)
+    log_dir = job.log_dir()
+    fp = artifacts.fingerprint(stage="build", optimize=optimized.fingerprint, target=job.target.config,
+                               databases=database.state(log_dir.parent))
+    path = job.stage_dir("build")
+    if not force and (hit := artifacts.cached("build", path, fp)):
+        job.say(f"build: cached ({path})")
+        _suggest_adapt(job, hit.meta)
+        return hit
+    job.target.check_toolchain()
+
+    optimized_module = load_module(optimized.path)
+    started = time.perf_counter()
+    compiled = compile_tuned(database.inference_module(optimized_module, job.target), job.target, log_dir, job.say,
+                             announce="build")
+    params = load_params(job.stage_dir("convert") / PARAMS_FILE)
+    for transform in (database.entry_module(optimized_module, PREPACK_ENTRY), compiled.prepack):
+        params = _transform_params(transform, params)
+    meta = {
+        "artifact": str(path / LIBRARY_FILE),
+        "target": job.target.config,
+        "target_key": job.target.key,
+        "database": str(log_dir),
+        "databases_read": compiled.databases,
+        "tasks_total": len(compiled.tasks),
+        "tasks_tuned": len(compiled.tasks) - len(compiled.untuned),
+        "untuned": compiled.untuned,
+        "transferred": compiled.transferred,
+        "schedules": compiled.schedules,
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "outputs": optimized.meta.get("outputs") or [],
+        "packing": optimized.meta.get("packing"),  # a packed build's shape and position rule (packing.py)
+        "device_modules": device_modules(compiled.executable.mod),
+    }
+    kernels = kernels_in(optimized_module, amx.KERNEL_ATTR)
+    if kernels:  # what runs on AMX, and the proof that the library holds its instructions
+        meta["amx_kernels"] = kernels
+        meta["amx_instructions"] = amx.instructions_in(compiled.executable)
+    if kernels := kernels_in(optimized_module, fma.KERNEL_ATTR):  # weight matmuls on our FMA kernel: no task, nothing to tune
+        meta["fma_kernels"] = kernels
+    if kernels := kernels_in(optimized_module, attention.KERNEL_ATTR):  # attention on our kernel: nothing to tune
+        meta["attention_kernels"] = kernels
+    if kernels := kernels_in(optimized_module, layer_norm.KERNEL_ATTR):
+        meta["layer_norm_kernels"] = kernels
+    with artifacts.writing("build", path, fp, meta) as tmp:
+        compiled.executable.export_library(str(tmp / LIBRARY_FILE))
+        meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block
+    _suggest_adapt(job, meta)
+    return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def _suggest_adapt(job: Job, meta: dict) -> None:
+    transferred = meta.get("transferred") or []
+    if transferred:
+        job.say(f"build: {len(transferred)} kernels run schedules tuned on another CPU; `tvmbert tune {job.config.model} "
+                f"--adapt` re-measures them on this one and searches on where the time is (a few minutes)")
+
+
+def device_modules(module) -> list[dict]:
+    """What device code the library carries: a CUDA or HIP module per GPU build, with its code size."""
+    found = []
+    for imported in module.imports:
+        if imported.kind not in ("llvm", "relax.VMExecutable"):
+            assembly = imported.inspect_source("asm") if imported.kind == "hip" else ""
+            found.append({
+                "kind": imported.kind,
+                "source_bytes": len(imported.inspect_source("")),
+                "assembly_bytes": len(assembly),
+                "isa": next((line.split('"')[1] for line in assembly.splitlines() if ".amdgcn_target" in line), None),
+            })
+        found.extend(device_modules(imported))
+    return found
+
+
+def _transform_params(transform, params: dict) -> dict:
+    """Runs weight transforms (optimize's lifted ones, then the tuned kernels' layouts) once, so
+    the library gets its weights ready-made. On the build machine's CPU, for any CPU: a build for
+    another one (or a GPU) must not run code compiled for it here."""
+    import tvm
+    from tvm import relax
+
+    if transform is None:
+        return params
+    vm = relax.VirtualMachine(tvm.compile(transform, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
+    outputs = vm[PREPACK_ENTRY]([tvm.runtime.tensor(w) for w in params.values()])
+    return {f"w{i:04d}": out.numpy() for i, out in enumerate(outputs)}

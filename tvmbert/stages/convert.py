@@ -1,0 +1,43 @@
+"""Stage 2: the exported program into Relax IR, with the weights kept apart as named parameters."""
+
+from __future__ import annotations
+
+from tvmbert.core import artifacts
+from tvmbert.core.artifacts import Artifact
+from tvmbert.core.errors import StageFailed
+from tvmbert.ir.files import PARAMS_FILE, PROGRAM_FILE, save_module, save_params
+from tvmbert.passes.pipeline import dtype_preserving_matmuls
+from tvmbert.stages.job import Job
+from tvmbert.stages.trace import trace
+
+
+def convert(job: Job, force: bool = False) -> Artifact:
+    traced = job.upstream("trace", trace)
+    fp = artifacts.fingerprint(stage="convert", trace=traced.fingerprint)
+    path = job.stage_dir("convert")
+    if not force and (hit := artifacts.cached("convert", path, fp)):
+        job.say(f"convert: cached ({path})")
+        return hit
+    job.say("convert: torch.export program -> Relax IR")
+    import torch
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    program = torch.export.load(traced.file(PROGRAM_FILE))
+    try:
+        module = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True,
+                                       custom_convert_map=dtype_preserving_matmuls())
+    except Exception as exc:
+        raise StageFailed(f"Relax import failed: {str(exc).splitlines()[0]}") from exc
+    module, params = relax.frontend.detach_params(module)
+    # num_input tells Relax passes which parameters are user inputs and which are weights.
+    inputs = len(traced.meta["inputs"])
+    module["main"] = module["main"].with_attr("num_input", inputs)
+    names = [var.name for var in module["main"].params[inputs:]]
+    weights = {name: tensor.numpy() for name, tensor in zip(names, params["main"])}
+    meta = {"weights": len(weights), "weight_bytes": int(sum(w.nbytes for w in weights.values())), "outputs": traced.meta["outputs"],
+            "packing": traced.meta.get("packing")}
+    with artifacts.writing("convert", path, fp, meta) as tmp:
+        save_module(module, tmp)
+        save_params(tmp / PARAMS_FILE, weights)
+    return Artifact("convert", path, fp, {"fingerprint": fp, **meta}, cached=False)

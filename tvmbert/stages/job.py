@@ -1,0 +1,98 @@
+"""A job: a validated config with its model, target and artifact folders resolved once."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from tvmbert.core import artifacts, targets
+from tvmbert.core.artifacts import Artifact
+from tvmbert.core.config import JobConfig
+from tvmbert.core.errors import InputError
+from tvmbert.core.families import TASKS
+from tvmbert.core.registry import STAGES
+from tvmbert.frontend import models
+
+
+def _check_folder(path: Path, option: str) -> None:
+    """A folder that exists or can be made: not a file, nor below one."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise InputError(f"{option} {path} is not writable: {folder} is a file, not a folder")
+            return
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+@dataclass
+class Job:
+    config: JobConfig
+    no_deps: bool = False  # never run an earlier stage; its artifact must exist
+    say: Callable[[str], None] = field(default=_to_stderr)  # human progress lines, never stdout
+
+    def __post_init__(self):
+        self.config.validate()
+        self.source = models.resolve(self.config.model, self.config.seed, self.config.task)
+        self.target = targets.resolve(self.config.target)
+        if self.config.dtype == "bfloat16" and self.target.kind == "llvm":
+            from tvmbert.kernels import amx
+
+            if not amx.target_has_amx(self.target):
+                raise InputError(amx.no_amx_message(self.target))
+        if self.config.seq_len is not None:
+            models.check_seq_len(self.source, self.config.seq_len)
+        if self.config.tokens is not None:
+            self._check_packed()
+        _check_folder(Path(self.config.workdir), "--workdir")
+        _check_folder(Path(self.config.log_dir), "--log-dir")
+        if self.config.text is not None:
+            _ = self.inputs  # tokenized now: a text that does not fit fails before any work
+
+    @cached_property
+    def inputs(self) -> models.ExampleInputs:
+        return models.example_inputs(self.source, self.config.batch, self.config.seq_len, self.config.text)
+
+    @property
+    def shape_key(self) -> str:
+        known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
+        batch, seq_len = known or self.inputs.shape
+        tokens = f"-t{self.config.tokens}" if self.config.tokens is not None else ""
+        return f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
+
+    @property
+    def packed(self) -> bool:
+        """A packed build: the batch's real tokens as one stream (packing.py)."""
+        return self.config.tokens is not None
+
+    def _check_packed(self) -> None:
+        if not TASKS[self.source.task].packable:
+            packable = ", ".join(name for name, task in TASKS.items() if task.packable)
+            raise InputError(f"--tokens: a packed build of {self.source.task} is not supported (its head reads each sequence's "
+                             f"first token inside the model); packed builds serve {packable}")
+        known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
+        batch, seq_len = known or self.inputs.shape
+        if self.config.tokens > batch * seq_len:
+            raise InputError(f"--tokens {self.config.tokens} is above batch x seq-len ({batch} x {seq_len} = {batch * seq_len})")
+
+    def stage_dir(self, stage: str) -> Path:
+        base = Path(self.config.workdir) / self.source.key / self.shape_key
+        if not STAGES[stage].per_target:
+            return base / stage
+        return base / self.target.key / stage
+
+    def log_dir(self) -> Path:
+        """The tuning database folder for this job's target."""
+        return Path(self.config.log_dir) / self.target.key
+
+    def upstream(self, stage: str, produce: Callable[[Job], Artifact]) -> Artifact:
+        """The artifact of an earlier stage: reused or produced, unless --no-deps forbids producing."""
+        if self.no_deps:
+            path = self.stage_dir(stage)
+            return artifacts.require(stage, path, f"tvmbert {stage} {self.config.model}")
+        return produce(self)

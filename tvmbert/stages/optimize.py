@@ -1,0 +1,85 @@
+"""Stage 3: the named, ordered graph-pass pipeline over the converted Relax module."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from tvmbert.core import artifacts
+from tvmbert.core.artifacts import Artifact
+from tvmbert.ir.files import load_module, save_module
+from tvmbert.passes.pipeline import DEFAULT_PASSES, PASS_NAMES, PASSES, check_pass_names, pass_list, per_target
+from tvmbert.stages.convert import convert
+from tvmbert.stages.job import Job
+
+
+def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
+    check_pass_names(disable, "--disable")
+    passes = job.config.passes if job.config.passes is not None else DEFAULT_PASSES
+    for graph_pass in PASSES:
+        name = graph_pass.name
+        if graph_pass.added_by is not None and graph_pass.added_by(job.config) and name not in passes:
+            # In its canonical place: before the first pass that comes after it in PASS_NAMES.
+            rank = PASS_NAMES.index(name)
+            at = next((i for i, other in enumerate(passes) if PASS_NAMES.index(other) > rank), len(passes))
+            passes = (*passes[:at], name, *passes[at:])
+    return tuple(name for name in passes if name not in disable)
+
+
+def count_ops(module) -> dict[str, int]:
+    """Operator counts of main: Relax ops by name, fused kernels as tir:<kernel>."""
+    import tvm
+    from tvm import relax
+
+    counts: Counter = Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            name = expr.op.name
+            if name == "relax.call_tir":
+                name = "tir:" + re.sub(r"\d+$", "", expr.args[0].name_hint)
+            counts[name.removeprefix("relax.")] += 1
+
+    relax.analysis.post_order_visit(module["main"].body, visit)
+    return dict(sorted(counts.items()))
+
+
+def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Artifact:
+    converted = job.upstream("convert", convert)
+    names = pipeline(job, disable)
+    fp = artifacts.fingerprint(stage="optimize", convert=converted.fingerprint, passes=names,
+                               **({"target": job.target.key} if per_target(names) else {}))
+    path = job.stage_dir("optimize")
+    if not force and (hit := artifacts.cached("optimize", path, fp)):
+        job.say(f"optimize: cached ({path})")
+        return hit
+    job.say(f"optimize: {' -> '.join(names) or 'no passes'}")
+    import tvm
+
+    module = load_module(converted.path)
+    ops_before = count_ops(module)
+    if job.config.dtype == "float64":
+        # TVM legalizes layer_norm in float32/float16 only (FoldConstant legalizes too, to try):
+        # in other dtypes it becomes mean/variance/sqrt before any pass sees it.
+        from tvm import relax
+
+        module = relax.transform.DecomposeOpsForTraining()(module)
+    per_pass = []
+    for name in names:
+        module = tvm.transform.Sequential(pass_list((name,), job.config.dtype, job.config.target))(module)
+        per_pass.append({"pass": name, "ops": count_ops(module)})
+    meta = {"outputs": converted.meta.get("outputs", []), "packing": converted.meta.get("packing"), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
+    with artifacts.writing("optimize", path, fp, meta) as tmp:
+        save_module(module, tmp)
+    return Artifact("optimize", path, fp, {"fingerprint": fp, **meta}, cached=False)
+
+
+def pictures(job: Job, optimized: Artifact) -> list[str]:
+    """Layer 0 before (as converted) and after the pipeline, as SVG (or DOT without Graphviz)."""
+    from tvmbert.ir import viz
+
+    folder = optimized.path / "viz"
+    before = viz.render(load_module(job.stage_dir("convert")), f"{job.source.name}: BertLayer 0 as converted", folder / "layer0-before")
+    after = viz.render(load_module(optimized.path), f"{job.source.name}: BertLayer 0 after {' -> '.join(optimized.meta['passes'])}",
+                       folder / "layer0-after")
+    return [str(before), str(after)]

@@ -1,0 +1,232 @@
+"""Stage 6: numerics of the build against PyTorch, on the example input and padded random ones."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tvmbert.core.config import torch_dtype
+from tvmbert.core.errors import CheckFailed, ToolchainError
+from tvmbert.deploy import packing
+from tvmbert.deploy.compiled import CompiledModel
+from tvmbert.frontend import models
+from tvmbert.stages.build import build
+from tvmbert.stages.job import Job
+
+# The seed reached ~1e-5 on BERT-base in fp32; float64 must be exact to rounding.
+# float16/bfloat16: matmul inputs in reduced precision, accumulation in fp32, against PyTorch in
+# fp32 (bert-tiny: ~2e-4 in float16, ~1.4e-3 in bfloat16, whose mantissa has 8 bits).
+DEFAULT_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat16": 5e-2}
+# --fast-math trades exactness for speed (tanh GELU, fast exp): verify reports the error it
+# measures (~2e-5 on bert-tiny); this bound only catches a broken approximation.
+FAST_MATH_TOLERANCE = 1e-2
+# verify --train: (forward, gradients and the parameters after one optimizer step).
+TRAIN_TOLERANCE = {"float32": (1e-5, 1e-4), "float64": (1e-10, 1e-10)}
+
+
+@dataclass
+class OutputDiff:
+    name: str
+    shape: list
+    max_abs_diff: float
+    max_rel_diff: float
+
+
+@dataclass
+class VerifyResult:
+    passed: bool
+    max_abs_diff: float
+    max_rel_diff: float
+    tolerance: float
+    dtype: str
+    fast_math: bool
+    samples: int
+    target: str
+    outputs: list[OutputDiff]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def sample_inputs(job: Job, count: int) -> list[tuple]:
+    """The example input first, then seeded random ids with random real lengths (padding). A
+    packed build's samples fit its tokens: random lengths, a full row and a row of one token."""
+    import torch
+
+    first = job.inputs
+    batch, seq_len = first.shape
+    samples = [] if job.packed else [first.as_tuple()]
+    generator = torch.Generator().manual_seed(job.config.seed + 7)
+    rng = np.random.default_rng(job.config.seed + 7)
+    high = int(first.input_ids.max()) + 1
+    while len(samples) < count:
+        ids = torch.randint(5, max(high, 6), (batch, seq_len), generator=generator)
+        lengths = torch.randint(max(1, seq_len // 2), seq_len + 1, (batch,), generator=generator)
+        if job.packed:
+            lengths = torch.tensor(packing.fitting_lengths(batch, seq_len, job.config.tokens, rng))
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        samples.append(models.make_inputs(job.source, ids * mask, mask, first.tensors.get("token_type_ids", mask) * mask).as_tuple())
+    return samples
+
+
+def verify(job: Job) -> VerifyResult:
+    import torch
+
+    built = job.upstream("build", build)
+    if not job.target.device_present():
+        raise ToolchainError(f"verify runs the model: this machine has no {job.target.kind} device (the build itself is at {built.path})")
+    options = job.config.verify
+    tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
+    reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
+    compiled = CompiledModel(built, job)
+    names = reference.output_names
+    worst: dict[int, OutputDiff] = {}
+    for sample in sample_inputs(job, options.samples):
+        with torch.no_grad():
+            expected = [t.numpy() for t in reference(*sample)]
+        actual = compiled([t.numpy() for t in sample])
+        # A packed build computes each row's tokens only: per-token outputs compared up to its length.
+        mask = sample[job.inputs.names.index("attention_mask")].numpy()
+        lengths = packing.lengths(mask, mask.shape)
+        real = np.arange(mask.shape[1])[None, :] < lengths[:, None]
+        for index, (want, got) in enumerate(zip(expected, actual)):
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+            rel = diff / np.maximum(np.abs(want.astype(np.float64)), 1e-3)
+            if job.packed and compiled.per_token[index]:
+                diff, rel = diff[real], rel[real]
+            previous = worst.get(index)
+            worst[index] = OutputDiff(
+                names[index],
+                list(want.shape),
+                max(float(diff.max()), previous.max_abs_diff if previous else 0.0),
+                max(float(rel.max()), previous.max_rel_diff if previous else 0.0),
+            )
+    outputs = [worst[i] for i in sorted(worst)]
+    max_abs = max(o.max_abs_diff for o in outputs)
+    result = VerifyResult(
+        passed=bool(max_abs <= tolerance),
+        max_abs_diff=max_abs,
+        max_rel_diff=max(o.max_rel_diff for o in outputs),
+        tolerance=tolerance,
+        dtype=job.config.dtype,
+        fast_math=job.config.fast_math,
+        samples=options.samples,
+        target=job.target.key,
+        outputs=outputs,
+    )
+    return result
+
+
+def check(result: VerifyResult) -> None:
+    if not result.passed:
+        raise CheckFailed(f"verify failed: max abs diff {result.max_abs_diff:.3g} > tolerance {result.tolerance:.3g}")
+
+
+@dataclass
+class TrainVerifyResult:
+    passed: bool
+    layer: str
+    shape: list
+    dtype: str
+    target: str
+    forward_max_abs_diff: float
+    grad_max_abs_diff: float  # over every parameter and the input
+    step_max_abs_diff: float  # parameters after one SGD step from the same state
+    forward_tolerance: float
+    grad_tolerance: float
+    grads: dict[str, float]  # per gradient
+    fallback: dict  # a call with another batch size: did it run in PyTorch, and match it?
+    saved_bytes: dict[str, int]  # activations held for the backward: tvm, torch
+    tasks_tuned: int
+    tasks_total: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def verify_training(job: Job) -> TrainVerifyResult:
+    """Layer 0 of the model through add_tvm_dispatch against PyTorch, dropout on, same seeds:
+    forward, every gradient, and one optimizer step."""
+    import copy
+
+    import torch
+
+    from tvmbert.training import dispatch
+
+    layer, (hidden, mask) = dispatch.job_layer(job)
+    reference, compiled = copy.deepcopy(layer), copy.deepcopy(layer)
+    dispatch.add_tvm_dispatch(compiled, (hidden, mask), target=job.config.target, log_dir=job.config.log_dir)
+    generator = torch.Generator().manual_seed(job.config.seed + 11)
+    grad_output = torch.randn(hidden.shape, generator=generator, dtype=hidden.dtype)
+
+    def step(module):
+        x = hidden.clone().requires_grad_()
+        torch.manual_seed(job.config.seed + 13)  # the dropout masks
+        output = module(x, mask)
+        output.backward(grad_output)
+        grads = {"input": x.grad, **{name: p.grad for name, p in module.named_parameters()}}
+        torch.optim.SGD(module.parameters(), lr=0.1).step()
+        return output.detach(), grads
+
+    want_out, want_grads = step(reference)
+    got_out, got_grads = step(compiled)
+    grads = {name: _max_diff(got_grads[name], want) for name, want in want_grads.items()}
+    step_diff = max(_max_diff(p, q) for p, q in zip(compiled.parameters(), reference.parameters()))
+    forward_tol, grad_tol = TRAIN_TOLERANCE[job.config.dtype]
+    fallback = _fallback_check(compiled, hidden, mask)
+    layer_dispatch = dispatch.dispatch_of(compiled)
+    current = layer_dispatch.compiled_for(layer_dispatch.mode())
+    saved = {"tvm": dispatch.saved_activation_bytes(compiled, (hidden, mask)),
+             "torch": dispatch.saved_activation_bytes(reference, (hidden, mask))}
+    forward_diff = _max_diff(got_out, want_out)
+    grad_diff = max(grads.values())
+    return TrainVerifyResult(
+        passed=bool(forward_diff <= forward_tol and grad_diff <= grad_tol and step_diff <= grad_tol and fallback["passed"]),
+        layer=f"{type(layer).__name__} 0 of {job.source.name}",
+        shape=list(hidden.shape),
+        dtype=job.config.dtype,
+        target=job.target.key,
+        forward_max_abs_diff=forward_diff,
+        grad_max_abs_diff=grad_diff,
+        step_max_abs_diff=step_diff,
+        forward_tolerance=forward_tol,
+        grad_tolerance=grad_tol,
+        grads=grads,
+        fallback=fallback,
+        saved_bytes=saved,
+        tasks_tuned=current.tasks_tuned,
+        tasks_total=current.tasks_total,
+    )
+
+
+def _max_diff(got, want) -> float:
+    return float((got.detach().double() - want.detach().double()).abs().max())
+
+
+def _fallback_check(compiled, hidden, mask) -> dict:
+    """Another batch size must run the module's own forward, silently."""
+    import torch
+
+    from tvmbert.training import dispatch
+
+    layer_dispatch = dispatch.dispatch_of(compiled)
+    before = dict(layer_dispatch.calls)
+    other_hidden, other_mask = torch.cat([hidden, hidden]), torch.cat([mask, mask])
+    with torch.no_grad():
+        torch.manual_seed(0)
+        got = compiled(other_hidden, other_mask)
+        torch.manual_seed(0)
+        want = layer_dispatch.original_forward(other_hidden, other_mask)
+    calls = layer_dispatch.calls
+    ran_in_pytorch = calls["fallback"] == before["fallback"] + 1 and calls["tvm"] == before["tvm"]
+    diff = _max_diff(got, want)
+    return {"shape": list(other_hidden.shape), "ran_in_pytorch": ran_in_pytorch, "max_abs_diff": diff,
+            "passed": bool(ran_in_pytorch and diff == 0.0)}
+
+
+def check_training(result: TrainVerifyResult) -> None:
+    if not result.passed:
+        raise CheckFailed(f"verify --train failed: forward {result.forward_max_abs_diff:.3g} (tolerance {result.forward_tolerance:.3g}), "
+                          f"gradients {result.grad_max_abs_diff:.3g} and step {result.step_max_abs_diff:.3g} "
+                          f"(tolerance {result.grad_tolerance:.3g}), fallback {'ok' if result.fallback['passed'] else 'wrong'}")

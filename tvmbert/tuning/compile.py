@@ -1,0 +1,86 @@
+"""Compiling a Relax module with the target's tuning databases applied: what build does for
+inference and training for forward + backward, so it sits below both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvmbert.core.errors import StageFailed
+from tvmbert.tuning import database
+from tvmbert.tuning.catalog import DEFAULT, TRANSFERRED, Catalog
+from tvmbert.tuning.default_schedules import default_cpu_schedules
+
+PREPACK_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
+
+
+@dataclass
+class TunedBuild:
+    executable: object  # relax.VMExecutable of the entries
+    tasks: list  # the non-trivial tasks of the entries
+    schedules: dict[str, str]  # task name -> where its schedule came from: native, transferred from KEY, default
+    prepack: object | None  # IRModule: PREPACK_ENTRY, the weight layouts the tuned kernels read
+    databases: list[str]  # every database the records were looked up in
+
+    @property
+    def untuned(self) -> list[str]:
+        return [name for name, source in self.schedules.items() if source == DEFAULT]
+
+    @property
+    def transferred(self) -> list[str]:
+        return [name for name, source in self.schedules.items() if source.startswith(TRANSFERRED)]
+
+
+def summary(schedules: dict[str, str]) -> str:
+    """'13/13 tasks tuned (9 native, 4 transferred from llvm-x)' and the like."""
+    counts: dict[str, int] = {}
+    for source in schedules.values():
+        counts[source] = counts.get(source, 0) + 1
+    tuned = len(schedules) - counts.get(DEFAULT, 0)
+    parts = ", ".join(f"{n} {source}" for source, n in sorted(counts.items()) if source != DEFAULT)
+    return f"{tuned}/{len(schedules)} tasks tuned" + (f" ({parts})" if parts else "") \
+        + (f", {counts[DEFAULT]} with default schedules" if counts.get(DEFAULT) else "")
+
+
+def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("main",), announce: str | None = None,
+                  label: str | None = None) -> TunedBuild:
+    """Compiles ``module`` for ``target`` with the target's tuning database applied (the records
+    measured so far while a tune is running), other CPUs' records where it has none, and default
+    schedules for what no database covers (dlight's on GPUs, cpu_schedules' on CPUs)."""
+    import tvm
+    from tvm import relax
+
+    live = database.tuning_active(log_dir)
+    if live:
+        say(f"{announce or 'compile'}: a tuning run is writing to {log_dir}; building with the records measured so far")
+    catalog = Catalog(log_dir, target.key, warn=lambda message: say(f"warning: {message}"), live=live,
+                      cores=target.config.get("num-cores"))
+    module = catalog.prefer_measured_layouts(module, target)
+    tasks = [t for t in database.extract_tasks(module, target, entries) if not t.trivial]
+    schedules, records = catalog.schedules(tasks)
+    if announce:
+        say(f"{announce}: {target.key}, {summary(schedules)} ({log_dir})")
+    tvm_target = target.tvm_target()
+    with tvm_target:
+        with records:
+            module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
+        module = (_default_gpu_schedules() if target.is_gpu else default_cpu_schedules())(module)
+        if target.prepacks_weights:
+            # A kernel tuned with a weight layout of its own starts by repacking the weight; that
+            # step becomes a kernel apart, lifted out of main into PREPACK_ENTRY, run once by build.
+            module = tvm.transform.Sequential([relax.transform.SplitLayoutRewritePreproc(),
+                                               relax.transform.LiftTransformParams()])(module)
+    prepack = database.entry_module(module, PREPACK_ENTRY)
+    try:
+        executable = tvm.compile(database.entry_module(module, *entries), tvm_target)
+    except Exception as exc:
+        raise StageFailed(f"TVM build{' of ' + label if label else ''} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
+    return TunedBuild(executable, tasks, schedules, prepack, catalog.read())
+
+
+def _default_gpu_schedules():
+    """dlight's rules for kernels the database has no schedule for; tuned ones are left alone."""
+    from tvm.s_tir import dlight
+
+    return dlight.ApplyDefaultSchedule(
+        dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(), dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()
+    )
