@@ -142,9 +142,9 @@ def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
     (folder / database.WORKLOADS_FILE).write_text("\n".join(workloads) + "\n")
     (folder / database.COMPACT_FILE).unlink()
     warnings = []
-    database = database.open_database(folder, warn=warnings.append)
+    records = database.open_database(folder, warn=warnings.append)
     assert warnings and all("was measured on workload" in w for w in warnings)
-    for record in database.get_all_tuning_records():
+    for record in records.get_all_tuning_records():
         assert database.workload_key(record.workload.mod) in {json.loads(line)[2] for line in
                                                                 (folder / database.RECORDS_FILE).read_text().splitlines()}
     # A compact line whose IR is not the workload its hash names is refused.
