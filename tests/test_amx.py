@@ -47,7 +47,7 @@ def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype)
 
 @needs_amx
 def test_bf16_runs_its_matmuls_on_amx(tvmbert, workdir):
-    from tvmbert.ir.files import load_params
+    from tvmbert.deploy.weights import load_params
 
     outcome = tvmbert("verify", "bert-tiny", "--dtype", "bfloat16", "--json")
     assert outcome.code == 0, outcome.stderr

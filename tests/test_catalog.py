@@ -14,6 +14,7 @@ import pytest
 from conftest import SMALL_TUNE, tune_in_background
 
 from tvmbert.core.targets import resolve
+from tvmbert.ir.tasks import extract_tasks, inference_module
 from tvmbert.tuning import catalog, database
 from tvmbert.tuning.catalog import Catalog
 
@@ -85,10 +86,10 @@ def test_default_schedules_leave_no_kernel_a_naive_loop_nest(tvmbert, workdir, t
     from tvmbert.tuning.default_schedules import default_cpu_schedules
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
-    module = database.inference_module(load_module(optimize(job).path), job.target)
+    module = inference_module(load_module(optimize(job).path), job.target)
     target = job.target.tvm_target()
     rng = np.random.default_rng(0)
-    for task in database.extract_tasks(module, job.target):
+    for task in extract_tasks(module, job.target):
         with target:
             scheduled = default_cpu_schedules()(task.module)
         if task.trivial:

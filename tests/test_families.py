@@ -164,7 +164,7 @@ def test_albert_stores_its_shared_layer_once(tvmbert, tmp_path):
     build stores (and the runtime holds) once."""
     import numpy as np
 
-    from tvmbert.ir.files import PARAMS_FILE, SAME_AS, load_params
+    from tvmbert.deploy.weights import PARAMS_FILE, SAME_AS, load_params
 
     built = tvmbert("build", "albert-tiny", "--log-dir", str(tmp_path), "--json")
     assert built.code == 0, built.stderr

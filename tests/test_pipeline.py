@@ -146,7 +146,7 @@ def test_gelu_is_exact_unless_fast_math_is_asked_for(tvmbert):
 
 @pytest.mark.parametrize("dtype, measured", [("float16", 2e-3), ("bfloat16", 1e-2)])
 def test_mixed_precision(tvmbert, workdir, dtype, measured):
-    from tvmbert.ir.files import load_params
+    from tvmbert.deploy.weights import load_params
 
     if dtype == "bfloat16" and not HOST_AMX:
         pytest.skip("this CPU has no AMX-BF16: --dtype bfloat16 is refused here")

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_TUNE, tune_in_background
 
+from tvmbert.ir.tasks import LAYOUT_FREE, Task, entry_module, extract_tasks, inference_module, marked_kernels
 from tvmbert.stages.tune import plan
 from tvmbert.tuning import database
 from tvmbert.tuning.catalog import Catalog
-from tvmbert.tuning.database import Task
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +42,14 @@ def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
 
 def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned, workdir):
     from tvmbert import Job, JobConfig
-    from tvmbert.ir.files import PARAMS_FILE, load_module, load_params
+    from tvmbert.deploy.weights import PARAMS_FILE, load_params
+    from tvmbert.ir.files import load_module
     from tvmbert.stages import optimize
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
-    module = database.inference_module(load_module(optimize(job).path), job.target)
-    marked = {t.name: [int(i) for i in t.module["main"].attrs.get(database.LAYOUT_FREE, [])]
-              for t in database.extract_tasks(module, job.target)}
+    module = inference_module(load_module(optimize(job).path), job.target)
+    marked = {t.name: [int(i) for i in t.module["main"].attrs.get(LAYOUT_FREE, [])]
+              for t in extract_tasks(module, job.target)}
     # The dense layers' weight matrices (argument 1); not the attention matmuls, biases or LayerNorm.
     assert marked["fused_matmul_add2"] == [1] and marked["fused_matmul5_add4"] == [1]
     assert marked["matmul2"] == [] and marked["layer_norm"] == [] and marked["fused_reshape1_add"] == []
@@ -73,11 +74,11 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
     shutil.copytree(tuned, tmp_path / "logs")
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))
     optimized = load_module(optimize(job).path)
-    marked = database.inference_module(optimized, job.target)
+    marked = inference_module(optimized, job.target)
     catalog = Catalog(job.log_dir(), job.target.key, print)
     native = catalog.native.database
     # A record of the attention output projection with its weight as it is, faster than any prepacked one.
-    plain = next(t for t in database.extract_tasks(database.entry_module(optimized, "main"), job.target)
+    plain = next(t for t in extract_tasks(entry_module(optimized, "main"), job.target)
                  if t.name == "fused_matmul3_add4")
     schedule = tvm.s_tir.Schedule(plain.module)
     schedule.get_loops(schedule.get_sblock("matmul"))  # the database skips records with an empty trace
@@ -85,7 +86,7 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
         schedule.trace, native.commit_workload(plain.module), [1e-9],
         job.target.tvm_target(), ms.arg_info.ArgInfo.from_prim_func(plain.module["main"])))
     chosen = catalog.prefer_measured_layouts(marked, job.target)
-    assert database.marked(marked) - database.marked(chosen) == {"fused_matmul3_add4"}
+    assert marked_kernels(marked) - marked_kernels(chosen) == {"fused_matmul3_add4"}
 
 
 def test_second_identical_tune_does_zero_trials(tvmbert, tuned):

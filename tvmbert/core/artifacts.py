@@ -166,13 +166,19 @@ def write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def check_writable_folder(path: Path, option: str) -> None:
+    """A folder that exists or can be made there, and written: not a file, nor below one, nor in a
+    read-only folder. Checked before the work whose results it keeps."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise InputError(f"{option} {path} is not writable: {folder} is a file, not a folder")
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise InputError(f"{option} {path} is not writable: this user may not write in {folder}")
+            return
+
+
 def check_output_file(path: Path, option: str) -> None:
     """An output file that can be written, checked before the work whose results it keeps (click
     itself refuses a folder)."""
-    for folder in path.parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise InputError(f"{option} {path} cannot be written: {folder} is a file, not a folder")
-            if not os.access(folder, os.W_OK | os.X_OK):
-                raise InputError(f"{option} {path} cannot be written: {folder} is not writable")
-            return
+    check_writable_folder(path.parent, option)

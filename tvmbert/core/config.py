@@ -12,7 +12,6 @@ import yaml
 
 from tvmbert.core.errors import InputError
 from tvmbert.core.registry import ENGINES, STAGES
-from tvmbert.passes.pipeline import check_pass_names
 
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
 # Computed in reduced precision by TVM from a float32 model; PyTorch stays the float32 reference.
@@ -90,7 +89,7 @@ class JobConfig:
     fast_math: bool = False  # allow approximations (tanh GELU, fast exp/erf/softmax); exact by default
     seed: int = 0
     target: str = "llvm"
-    passes: tuple[str, ...] | None = None  # None: the default pipeline of the optimize stage
+    passes: tuple[str, ...] | None = None  # None: the default pipeline of the optimize stage (names checked by Job)
     stages: tuple[str, ...] = ("trace", "convert", "optimize", "build", "verify", "bench")
     workdir: str = "build"
     log_dir: str = "tuning_logs"
@@ -108,8 +107,6 @@ class JobConfig:
         _require(0 <= self.seed < 2**32, where, "seed", "a number in [0, 2**32)")
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")
-        if self.passes is not None:
-            check_pass_names(self.passes, where)
         self.tune.validate(where)
         self.bench.validate(where)
         self.verify.validate(where)
@@ -117,11 +114,6 @@ class JobConfig:
         _require("export" not in self.stages or self.export.out_dir is not None, where, "export.out_dir",
                  "given when stages lists export")
         return self
-
-    @property
-    def mixed_precision(self) -> bool:
-        """TVM computes in reduced precision from a float32 model (the mixed-precision pass)."""
-        return self.dtype in MIXED_PRECISION
 
     def with_overrides(self, **overrides) -> JobConfig:
         """CLI flags win over the file; None means the flag was not given."""

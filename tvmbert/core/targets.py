@@ -9,13 +9,14 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from tvmbert.core import toolchain
 from tvmbert.core.errors import InputError
 
 DEFAULT_CUDA_ARCH = "sm_90"
 DEFAULT_ROCM_MCPU = "gfx906"
+AMX_BF16 = "amx-bf16"  # LLVM's name of the feature the AMX kernel needs
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,42 @@ class TargetSpec:
         return KINDS[self.kind].device
 
     @property
-    def prepacks_weights(self) -> bool:
-        """CPU kernels read weights in the order their tiles want, repacked once at build time;
+    def lays_out_weights(self) -> bool:
+        """CPU kernels read weights in the order their tiles want, laid out once at build time;
         GPU kernels take them as they are (dlight and the GPU rules stage tiles in shared memory)."""
         return not self.is_gpu
+
+    def has_features(self, *features: str) -> bool:
+        """Whether code for this target may use every one of LLVM's ``features`` (avx2, fma,
+        avx512f, amx-bf16, ...), from its mcpu and mattr: false for GPUs."""
+        if self.kind != "llvm":
+            return False
+        from tvm.target.codegen import target_has_features
+
+        return bool(target_has_features(list(features), self.tvm_target()))
+
+    @cached_property
+    def fp32_lanes(self) -> int:
+        """fp32 lanes of our kernels' vectors: 16 with AVX-512, 8 with AVX2 and FMA, 0 without
+        (our fp32 kernels then do not apply)."""
+        if self.has_features("avx512f"):
+            return 16
+        return 8 if self.has_features("avx2", "fma") else 0
+
+    @cached_property
+    def vector_registers(self) -> int:
+        """Vector registers a kernel's tile may use: 32 with AVX-512, else 16 (x86-64's ymm/xmm)."""
+        return 32 if self.has_features("avx512f") else 16
+
+    @cached_property
+    def has_amx_bf16(self) -> bool:
+        return self.has_features(AMX_BF16)
+
+    def no_amx_message(self) -> str:
+        return (f"--dtype bfloat16 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later), and target '{self.key}' "
+                f"has none: without it TVM's bf16 kernels convert every value to fp32 in their inner loops and run "
+                f"slower than --dtype float32 (AVX512-BF16 alone measured slower than fp32 too). Use --dtype float32, "
+                f"or --dtype float16 for half the weight bytes")
 
     def tvm_target(self):
         import tvm
@@ -103,26 +136,67 @@ def cpu_count() -> int:
     return len(HOST_CPUS)
 
 
+# x86 instruction sets LLVM may emit anywhere in code for a target that enables them (it
+# vectorizes with what it is given), and the flag /proc/cpuinfo shows for each: what a library
+# needs of the CPU that runs it.
+INSTRUCTION_SETS = {
+    "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2",
+    "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512cd": "avx512cd",
+    "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "avx512vbmi": "avx512vbmi",
+    "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma", "avxvnni": "avx_vnni", "amx-tile": "amx_tile",
+    "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
+}
+
+
 @lru_cache(maxsize=1)
-def host_mcpu() -> str:
-    """A CPU name LLVM accepts for this host (the wheel's LLVM refuses mcpu=native)."""
-    flags = set()
+def host_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return frozenset()
+
+
+@lru_cache(maxsize=1)
+def host_mcpu() -> str:
+    """A CPU name LLVM accepts for this host (the wheel's LLVM refuses mcpu=native)."""
     # Virtual machines often hide the CPU model, and LLVM then guesses an older core; the
     # feature flags are the truth: AMX + AVX512-FP16 is Sapphire Rapids or later.
-    if {"amx_tile", "avx512_fp16"} <= flags:
+    if {"amx_tile", "avx512_fp16"} <= host_flags():
         return "sapphirerapids"
     import tvm
 
     detected = str(tvm.target.codegen.llvm_get_system_cpu())
     return detected if detected and detected != "generic" else "x86-64"
+
+
+def describe_config(config: dict) -> str:
+    """A TVM JSON target as a user writes it: 'llvm -mcpu=skylake-avx512 -mattr=+avx2'."""
+    options = [f"-{name}={','.join(value) if isinstance(value, list | tuple) else value}"
+               for name, value in config.items() if name in ("mcpu", "mattr", "arch")]
+    return " ".join([config.get("kind", "?"), *options])
+
+
+def missing_host_features(config: dict) -> list[str]:
+    """The instruction sets code compiled for ``config`` may use and this CPU lacks, by LLVM's
+    names: code built for them dies on SIGILL here. Empty for GPU targets, other architectures,
+    and hosts whose flags cannot be read."""
+    import platform
+
+    flags = host_flags()
+    triple = str(config.get("mtriple") or "x86_64")
+    if config.get("kind") != "llvm" or not flags or platform.machine() not in ("x86_64", "AMD64") \
+            or not triple.startswith("x86_64"):
+        return []
+    import tvm
+    from tvm.target import codegen
+
+    compiled = {str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))}
+    return sorted(name for name in compiled if name in INSTRUCTION_SETS and INSTRUCTION_SETS[name] not in flags)
 
 
 def _legacy_options(text: str) -> tuple[str, dict]:
@@ -203,3 +277,11 @@ def _host_triple() -> str:
     from tvm.target import codegen
 
     return str(codegen.llvm_get_system_triple())
+
+
+def vector_lanes(tvm_target, dtype_bits: int) -> int:
+    """Lanes of ``dtype_bits`` in the vector width LLVM prefers for ``tvm_target`` (128-bit when it says none)."""
+    from tvm.target.codegen import llvm_get_vector_width
+
+    width = llvm_get_vector_width(tvm_target)
+    return max((width if width > 0 else 128) // dtype_bits, 1)

@@ -8,54 +8,14 @@ its per-token outputs come back padded, zero after each row's length.
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 
 from tvmbert.core.artifacts import Artifact
-from tvmbert.core.errors import InputError
 from tvmbert.core.families import TASKS
 from tvmbert.deploy import packing
-from tvmbert.ir.files import LIBRARY_FILE, PARAMS_FILE, load_params
-
-
-def _load_library(path: Path):
-    """Loads the library from a private copy: the dynamic loader hands back a library it already
-    loaded from the same path (or the same file), so a process that rebuilt a model in place (same
-    folder, new kernels and weight layouts) would otherwise run the old kernels on the new
-    weights. The copies stay until the process exits: a deleted copy's inode could be reused by
-    the next one, which the loader would take for the library it already has."""
-    import tvm
-
-    folder = Path(tempfile.mkdtemp(prefix="tvmbert-lib-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    private = folder / path.name
-    shutil.copyfile(path, private)
-    return tvm.runtime.load_module(str(private))
-
-
-def check_inputs(arrays, shape: tuple[int, int], limits: dict[str, int]) -> list[np.ndarray]:
-    """The inputs (named and ordered by ``limits``) as int64 arrays of the build's shape, each
-    value in [0, its limit), or an InputError that says which value is out of it."""
-    arrays = [np.asarray(a) for a in arrays]
-    if len(arrays) != len(limits):
-        raise InputError(f"a built model takes {len(limits)} inputs ({', '.join(limits)}), got {len(arrays)}")
-    checked = []
-    for (name, limit), array in zip(limits.items(), arrays):
-        if not np.issubdtype(array.dtype, np.integer):
-            raise InputError(f"{name} must hold integers, got {array.dtype}")
-        if array.shape != tuple(shape):
-            raise InputError(f"{name} has shape {list(array.shape)}; this build takes {list(shape)} (build one with --batch/--seq-len)")
-        bad = np.argwhere((array < 0) | (array >= limit))
-        if len(bad):
-            where = tuple(int(i) for i in bad[0])
-            allowed = "0 or 1" if name == "attention_mask" else f"in [0, {limit})"
-            raise InputError(f"{name} holds {array[where]} at {list(where)}: it must be {allowed}")
-        checked.append(array.astype(np.int64, copy=False))
-    return checked
+from tvmbert.deploy.inputs import check_inputs
+from tvmbert.deploy.loader import LIBRARY_FILE, load_library
+from tvmbert.deploy.weights import PARAMS_FILE, load_params
 
 
 class CompiledModel:
@@ -65,13 +25,6 @@ class CompiledModel:
         import tvm
         from tvm import relax
 
-        if built.meta.get("amx_kernels"):  # before loading: the first AMX instruction needs it
-            from tvmbert.kernels.amx import request_permission
-
-            try:
-                request_permission()
-            except OSError as exc:
-                raise InputError(str(exc)) from None
         device = job.target.device()
         self.device = device
         self.shape = job.inputs.shape
@@ -79,7 +32,8 @@ class CompiledModel:
         self.packing = built.meta.get("packing")  # None: a padded build
         per_token = TASKS[job.source.task].per_token
         self.per_token = [output["name"] in per_token for output in built.meta["outputs"]]
-        self.vm = relax.VirtualMachine(_load_library(built.file(LIBRARY_FILE)), device)
+        library = load_library(built.file(LIBRARY_FILE), built.meta["target"], amx=bool(built.meta.get("amx_kernels")))
+        self.vm = relax.VirtualMachine(library, device)
         self.main = self.vm["main"]
         weights = list(load_params(built.file(PARAMS_FILE)).values())
         on_device = {}  # equal weights (ALBERT's shared layer) are one tensor on the device

@@ -1,8 +1,8 @@
 """An exported package (`tvmbert export`), loaded for serving with NumPy and TVM alone.
 
 No torch and no transformers: this module imports NumPy, TVM inside the functions that need it,
-``tokenizers`` only for text, and of tvmbert only ``errors``, ``targets`` and ``packing`` (none
-imports more). A call of any batch size and any length up to the largest bucket is planned over
+``tokenizers`` only for text, and of tvmbert only ``core`` and ``deploy`` modules that import
+nothing more. A call of any batch size and any length up to the largest bucket is planned over
 the package's static-shape builds ("buckets"): rows sorted by length, grouped so that the summed
 cost of the buckets run (each bucket's latency measured at export) is least, padded (or packed,
 for a packed bucket: packing.py), run, and trimmed back.
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -25,11 +23,13 @@ import numpy as np
 from tvmbert.core import targets
 from tvmbert.core.errors import InputError, PackageError
 from tvmbert.deploy import packing
+from tvmbert.deploy.inputs import MASK_INPUT, as_integers, check_range, is_torch
+from tvmbert.deploy.loader import check_cpu, load_library
+from tvmbert.deploy.weights import from_bits
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1  # bump when the package layout changes meaning
 PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would run them as padded ones
-MASK_INPUT = "attention_mask"  # the input padded with 0 (the others with their "pad" value)
 
 
 def sha256(path: Path) -> str:
@@ -75,13 +75,6 @@ class ExportedModel:
         self.manifest = _read_manifest(self.path)
         _verify_files(self.path, self.manifest["files"])
         self._check_machine(warn or (lambda message: warnings.warn(message, stacklevel=3)))
-        if self.manifest.get("amx_kernels"):  # before loading: the first AMX instruction needs it
-            from tvmbert.kernels.amx import request_permission
-
-            try:
-                request_permission()
-            except OSError as exc:
-                raise PackageError(f"{self.path}: its kernels run on AMX-BF16: {exc}") from None
         self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[self.manifest["target"]["kind"]](0)
         self.inputs = self.manifest["inputs"]  # [{name, limit, pad}], in the order main takes them
         self.outputs = self.manifest["outputs"]  # [{name, per_token}]
@@ -92,7 +85,9 @@ class ExportedModel:
                                   for b in self.manifest["buckets"]])
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq_len = max(b.seq_len for b in self.buckets)
-        self._mains = [relax.VirtualMachine(_load_library(self.path / b.library), self.device)["main"] for b in self.buckets]
+        amx = bool(self.manifest.get("amx_kernels"))
+        self._mains = [relax.VirtualMachine(load_library(self.path / b.library, self.manifest["target"], amx, PackageError),
+                                            self.device)["main"] for b in self.buckets]
         self._weights = self._load_weights()
         self._lock = threading.Lock()
         self._tokenizer = None
@@ -110,9 +105,10 @@ class ExportedModel:
             raise PackageError(f"{self.path}: built for {self.manifest['target_key']}, which this machine cannot run: {exc}") from None
         if target["kind"] != "llvm" and not here.device_present():
             raise PackageError(f"{self.path}: built for {self.manifest['target_key']}, and this machine has no {target['kind']} device")
+        check_cpu(self.path, target, PackageError)
         if here.key != self.manifest["target_key"]:
-            warn(f"{self.path} was built for {self.manifest['target_key']} and this machine is {here.key}: it may run slower, "
-                 f"or stop on an instruction this CPU lacks; export it on this machine for its own kernels")
+            warn(f"{self.path} was built for {self.manifest['target_key']} and this machine is {here.key}: it runs (this CPU "
+                 f"has every instruction set its code uses), maybe slower; export it on this machine for its own kernels")
 
     def _load_weights(self) -> dict:
         """Every distinct array once on the device, shared by the buckets that read it."""
@@ -123,12 +119,7 @@ class ExportedModel:
         with np.load(self.path / self.manifest["weights_file"]) as data:
             arrays = {}
             for key in sorted(wanted):
-                array = data[key]
-                if stored[key]["dtype"] == "bfloat16":  # npz has no bfloat16: stored as its bits
-                    import ml_dtypes
-
-                    array = array.view(ml_dtypes.bfloat16)
-                arrays[key] = tvm.runtime.tensor(array, self.device)
+                arrays[key] = tvm.runtime.tensor(from_bits(data[key], stored[key]["dtype"]), self.device)
         return arrays
 
     # ---- calls -----------------------------------------------------------------------------
@@ -186,8 +177,8 @@ class ExportedModel:
         first = self.input_names[0]
         if given.get(first) is None:
             raise InputError(f"{first} is required")
-        as_torch = any(_is_torch(v) for v in given.values())
-        checked = {name: _as_integers(name, value) for name, value in given.items() if value is not None}
+        as_torch = any(is_torch(v) for v in given.values())
+        checked = {name: as_integers(name, value) for name, value in given.items() if value is not None}
         shape = checked[first].shape
         if len(shape) != 2 or 0 in shape:
             raise InputError(f"{first} must be [batch, length] with both > 0, got shape {list(shape)}")
@@ -254,11 +245,7 @@ class ExportedModel:
         of it: garbage, NaN or a segfault), then runs the plan; outputs in the rows' order."""
         for spec in self.inputs:
             array = arrays[spec["name"]]
-            bad = np.argwhere((array < 0) | (array >= spec["limit"]))
-            if len(bad):
-                where = tuple(int(i) for i in bad[0])
-                allowed = "0 or 1" if spec["name"] == MASK_INPUT else f"in [0, {spec['limit']})"
-                raise InputError(f"{spec['name']} holds {array[where]} at {list(where)}: it must be {allowed}")
+            check_range(spec["name"], array, spec["limit"])
         lengths = [int(n) for n in lengths]
         results: dict[str, np.ndarray] = {}
         for index, rows in self.plan(lengths, arrays[MASK_INPUT].any(axis=1)):
@@ -367,33 +354,6 @@ def _verify_files(path: Path, files: dict[str, str]) -> None:
                                "damaged; export the package again")
 
 
-def _load_library(path: Path):
-    """From a private copy: the dynamic loader hands back a library it already loaded from the
-    same path, so a package re-exported in place would otherwise run the old kernels."""
-    import atexit
-
-    import tvm
-
-    folder = Path(tempfile.mkdtemp(prefix="tvmbert-package-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    private = folder / path.name
-    shutil.copyfile(path, private)
-    return tvm.runtime.load_module(str(private))
-
-
 def _is_text(value) -> bool:
     return isinstance(value, str) or (isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, str) for v in value)) \
         or (isinstance(value, list) and bool(value) and all(_is_text(v) and not isinstance(v, list) for v in value))
-
-
-def _is_torch(value) -> bool:
-    return type(value).__module__.split(".")[0] == "torch"
-
-
-def _as_integers(name: str, value) -> np.ndarray:
-    if _is_torch(value):
-        value = value.detach().cpu().numpy()
-    array = np.asarray(value)
-    if array.dtype == object or not np.issubdtype(array.dtype, np.integer):
-        raise InputError(f"{name} must hold integers, got {array.dtype}")
-    return array.astype(np.int64, copy=False)

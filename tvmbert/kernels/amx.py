@@ -1,6 +1,6 @@
-"""bf16 matmuls on Intel AMX (AMX-BF16): the kernel, the graph rewrite that calls it, and the
-process permission the kernel needs. Below the stages: optimize adds the rewrite (pass
-``amx-bf16``), build and the runtime ask for the permission.
+"""bf16 matmuls on Intel AMX (AMX-BF16): the kernel. The pass ``amx-bf16``
+(``passes/amx_bf16.py``) calls it; the loader (``deploy/loader.py``) asks for the process
+permission its instructions need.
 
 MetaSchedule's x86 tensor intrinsics cover int8 only, and bf16 kernels scheduled by it convert
 every bf16 value to fp32 in the inner loop (slower than fp32). AVX512-BF16's ``vdpbf16ps`` through
@@ -19,49 +19,12 @@ keeps the bf16 loop nest.
 
 from __future__ import annotations
 
-import ctypes
-import platform
-from functools import lru_cache
-
 from tvmbert.kernels.scalar_math import gelu_float32
 
-FEATURE = "amx-bf16"  # LLVM's name of the target feature the kernel needs
 KERNEL_ATTR = "tvmbert.amx_bf16"  # PrimFunc attribute marking the kernel (build counts them)
 TILE = 32  # M, N and K granularity of the kernel (2 x 2 tiles of 16 x 16 fp32, K in steps of 32 bf16)
 INSTRUCTION = "tdpbf16ps"  # what the kernel's assembly must contain
 ACTIVATIONS = {"relax.nn.gelu": gelu_float32}  # applied as a block is stored (the FFN's GELU)
-
-
-def target_has_amx(target) -> bool:
-    """Whether a resolved target (TargetSpec) is an x86 CPU with AMX-BF16, from its mcpu/mattr."""
-    if target.kind != "llvm":
-        return False
-    from tvm.target.codegen import target_has_features
-
-    return bool(target_has_features(FEATURE, target.tvm_target()))
-
-
-def no_amx_message(target) -> str:
-    return (f"--dtype bfloat16 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later), and target '{target.key}' "
-            f"has none: without it TVM's bf16 kernels convert every value to fp32 in their inner loops and run "
-            f"slower than --dtype float32 (AVX512-BF16 alone measured slower than fp32 too). Use --dtype float32, "
-            f"or --dtype float16 for half the weight bytes")
-
-
-@lru_cache(maxsize=1)
-def request_permission() -> None:
-    """Linux gives a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-    XTILEDATA), once per process; without it the first AMX instruction is an illegal instruction
-    (SIGILL) that kills the process. TVM's runtime does not ask, so whoever loads a library with
-    AMX kernels does, before the first call."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise OSError("AMX kernels run on x86-64 Linux only")
-    libc = ctypes.CDLL(None, use_errno=True)
-    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, "this CPU or kernel does not grant AMX (arch_prctl ARCH_REQ_XCOMP_PERM failed): "
-                             "a library built with AMX kernels (--dtype bfloat16) cannot run here")
 
 
 def fits(m: int, n: int, k: int) -> bool:
@@ -155,97 +118,6 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
     return amx_matmul
-
-
-def pack_weight(weight):
-    """Relax: W[K, N] -> Wp[N/16, K/2, 16, 2] (a reshape and a transpose on a weight alone, which
-    bind-params lifts into the build-time weight transform)."""
-    from tvm import relax
-
-    k, n = (int(d) for d in weight.ty.shape)
-    pairs = relax.op.reshape(weight, (k // 2, 2, n // 16, 16))
-    return relax.op.permute_dims(pairs, [2, 0, 3, 1])
-
-
-def amx_matmuls():
-    """The module pass: ``matmul(x_bf16, W_bf16, out_dtype=float32)`` with W a weight (a parameter
-    after ``num_input``, or a transpose/cast of one) becomes a call of the AMX kernel on x (padded
-    to a multiple of 32 rows where it is not) and W packed, with the bias added after it and the
-    activation after that where there are ones (``kernel_calls.Epilogues``), else a zero bias.
-    Matmuls the kernel does not fit (N or K not a multiple of 32, dynamic shapes) are left as they
-    are; matmuls of two activations go back to fp32."""
-    import numpy as np
-    from tvm import relax
-
-    from tvmbert.passes.kernel_calls import (
-        Epilogues,
-        KernelFunctions,
-        call_with_padded_rows,
-        function_pass,
-        kernel_operands,
-        row_count,
-        weight_matmul_sizes,
-        weights_of,
-    )
-
-    @relax.expr_functor.mutator
-    class Rewriter(relax.PyExprMutator):
-        def __init__(self, module):
-            super().__init__(module)
-            self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype:
-                                           kernel(m, n, k, lead, activation, residual, out_dtype))
-            self.weights = set()
-            self.epilogues = None
-
-        def start(self, function):
-            self.weights = weights_of(function)
-            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS,
-                                       takes_residual=lambda sizes: row_count(sizes[0]) % TILE == 0,
-                                       output_dtypes=("bfloat16",))
-
-        def fits(self, call):
-            sizes = weight_matmul_sizes(call, self.weights)
-            if (sizes is None or str(call.attrs.out_dtype) != "float32" or any(arg.ty.dtype != "bfloat16" for arg in call.args)
-                    or not fits(row_count(sizes[0]), *sizes[1:])):
-                return None
-            return sizes
-
-        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
-            lead, n, k = sizes
-            packed = self.builder_.emit(pack_weight(weight))
-            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
-            return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(packed, bias, residual), lead, n, k, TILE,
-                                         out_dtype)
-
-        def in_float32(self, call):
-            """A matmul of two activations (attention's) the kernel does not take: back to fp32
-            (TVM's bf16 loop nests convert every element in the inner loop, slower than fp32)."""
-            sources = []
-            for arg in call.args:
-                bound = self.lookup_binding(arg) if isinstance(arg, relax.Var) else None
-                if not (isinstance(bound, relax.Call) and getattr(bound.op, "name", None) == "relax.astype"
-                        and bound.args[0].ty.dtype == "float32"):
-                    return call
-                sources.append(bound.args[0])
-            return relax.op.matmul(*sources, out_dtype="float32")
-
-        def visit_var_binding_(self, binding):
-            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
-                super().visit_var_binding_(binding)
-
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            if getattr(call.op, "name", None) != "relax.matmul" or len(call.args) != 2:
-                return call
-            if call.args[1] not in self.weights:
-                return self.in_float32(call)
-            sizes = self.fits(call)
-            if sizes is None:
-                return call
-            zero_bias = relax.const(np.zeros(sizes[1], "float32"))
-            return self.call_kernel(*call.args, zero_bias, sizes, None, None, "float32")
-
-    return function_pass("AmxBf16Matmuls", Rewriter)
 
 
 def instructions_in(executable) -> int:

@@ -1,5 +1,5 @@
-"""fp32 matmuls by a weight on a hand-written FMA micro-kernel: the kernel and the graph rewrite
-that calls it. Below the stages: optimize adds the rewrite (pass ``fma-fp32``).
+"""fp32 matmuls by a weight on a hand-written FMA micro-kernel. The pass ``fma-fp32``
+(``passes/fma_fp32.py``) calls it.
 
 Where a matmul has enough rows to be bound by arithmetic (batch x tokens >= ``MIN_ROWS``: 1 x 128,
 8 x 128; from 16 rows on), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
@@ -55,25 +55,13 @@ def prefetch_to_l2(address):
                               T.int32(1))
 
 
-def lanes_of(tvm_target) -> int:
-    """fp32 lanes of the kernel's vectors: 16 with AVX-512, 8 with AVX2 and FMA, 0 without (the
-    pass does not apply)."""
-    from tvm.target.codegen import target_has_features
-
-    if tvm_target.kind.name != "llvm":
-        return 0
-    if target_has_features("avx512f", tvm_target):
-        return 16
-    return 8 if target_has_features(["avx2", "fma"], tvm_target) else 0
-
-
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
            residual: bool = False, panel_major: bool = False):
     """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
     packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) any row count (the
     rows past the last whole tile take a tile of their own); ``act`` one of ``ACTIVATIONS`` or
     none; without ``residual``, r is one unread float. ``panel_major`` (no residual) writes y as
-    ``y[n / width, m, width]``: each panel's columns of all rows together (``panel_major_variant``)."""
+    ``y[n / width, m, width]``: each panel's columns of all rows together (``passes/fma_fp32.panel_major_variant``)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -173,85 +161,3 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
     assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
     return fma_matmul
-
-
-def panel_major_variant(call, function, lanes: int):
-    """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
-    ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
-    ``[n / width, m, width]``; None for one with a residual. Writing a tile's rows into one panel
-    is cheaper than into rows ``n`` floats apart (bert-base's Q/K/V projection at 8 x 128 alone:
-    12.1 -> 11.7 ms), and where the panel width is the head size (6 x 4 tiles, bert-base), each
-    panel is one head's Q, K or V, which the attention kernel then reads whole."""
-    import numpy as np
-
-    from tvmbert.passes.kernel_calls import static_shape
-
-    x, wp, _, r = (static_shape(arg) for arg in call.args[1].fields)
-    if r != (1,):
-        return None
-    lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
-    m, width = int(np.prod(lead)), wp[2]
-    activation = str(function.attrs[ACTIVATION_ATTR]) or None
-    return kernel(m, n, k, lanes, lead, activation, panel_major=True), (n // width, m, width)
-
-
-def pack_weight(weight, width: int):
-    """Relax: W[K, N] -> Wp[N / width, K, width] (a reshape and a transpose of a weight alone,
-    which bind-params lifts into the build-time weight transform)."""
-    from tvm import relax
-
-    k, n = (int(d) for d in weight.ty.shape)
-    return relax.op.permute_dims(relax.op.reshape(weight, (k, n // width, width)), [1, 0, 2])
-
-
-def fma_matmuls(lanes: int):
-    """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
-    ``MIN_ROWS`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
-    call of the kernel on W packed, together with the activation or the residual add that follows
-    it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
-    from tvm import relax
-
-    from tvmbert.passes.kernel_calls import (
-        Epilogues,
-        KernelFunctions,
-        function_pass,
-        kernel_operands,
-        row_count,
-        weight_matmul_sizes,
-        weights_of,
-    )
-
-    @relax.expr_functor.mutator
-    class Rewriter(relax.PyExprMutator):
-        def __init__(self, module):
-            super().__init__(module)
-            self.kernels = KernelFunctions("fma_matmul_", lambda m, lead, n, k, activation, residual, _:
-                                           kernel(m, n, k, lanes, lead, activation, residual))
-            self.weights = set()
-            self.epilogues = None
-
-        def start(self, function):
-            self.weights = weights_of(function)
-            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
-
-        def fits(self, call):
-            sizes = weight_matmul_sizes(call, self.weights)
-            if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
-                return None
-            lead, n, _ = sizes
-            return sizes if row_count(lead) >= MIN_ROWS and tile(n, lanes) is not None else None
-
-        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
-            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
-            lead, n, k = sizes
-            _, vectors = tile(n, lanes)
-            packed = self.builder_.emit(pack_weight(weight, vectors * lanes))
-            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
-            return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(packed, bias, residual)],
-                                  relax.TensorType((*lead, n), out_dtype))
-
-        def visit_var_binding_(self, binding):
-            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
-                super().visit_var_binding_(binding)
-
-    return function_pass("FmaFp32Matmuls", Rewriter)

@@ -93,25 +93,6 @@ def call_with_padded_rows(builder, kernel_for, x, operands, lead, n: int, k: int
     return relax.op.reshape(y, (*lead, n))
 
 
-def function_pass(name: str, rewriter_class):
-    """A module pass running ``rewriter_class(module)`` (a Relax mutator with ``start(function)``)
-    over every function that has weights (``num_input``)."""
-    import tvm
-    from tvm import relax
-
-    @tvm.transform.module_pass(opt_level=0, name=name)
-    def transform(module, _context):
-        rewriter = rewriter_class(module)
-        for global_var, function in module.functions_items():
-            if isinstance(function, relax.Function) and function.attrs and "num_input" in function.attrs:
-                rewriter.start(function)
-                rewritten = rewriter.visit_expr(function)
-                rewriter.builder_.update_func(global_var, relax.analysis.remove_all_unused(rewritten))
-        return rewriter.builder_.get()
-
-    return transform
-
-
 def kernels_in(module, attribute: str) -> list[str]:
     """The kernels of ours a module holds (PrimFuncs marked with ``attribute``), by name."""
     from tvm import tirx
@@ -248,7 +229,7 @@ class KernelFunctions:
         return kernel_for
 
 
-def kernel_operands(packed, bias, residual) -> list:
-    """What the kernels take after x: the packed weight, the bias and the residual, or in its
-    place the one unread float their signature keeps for it."""
-    return [packed, bias, residual if residual is not None else unread()]
+def kernel_operands(weight, bias, residual) -> list:
+    """What the kernels take after x: the weight in the kernel's layout, the bias and the
+    residual, or in its place the one unread float their signature keeps for it."""
+    return [weight, bias, residual if residual is not None else unread()]

@@ -6,13 +6,16 @@ import time
 
 from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
-from tvmbert.ir.files import LIBRARY_FILE, PARAMS_FILE, load_module, load_params, save_params
+from tvmbert.deploy.loader import LIBRARY_FILE
+from tvmbert.deploy.weights import PARAMS_FILE, load_params, save_params
+from tvmbert.ir.files import load_module
+from tvmbert.ir.tasks import entry_module, inference_module
 from tvmbert.kernels import amx, attention, fma, layer_norm
 from tvmbert.passes.kernel_calls import kernels_in
 from tvmbert.stages.job import Job
 from tvmbert.stages.optimize import optimize
 from tvmbert.tuning import database
-from tvmbert.tuning.compile import PREPACK_ENTRY, compile_tuned
+from tvmbert.tuning.compile import WEIGHT_LAYOUT_ENTRY, compile_tuned
 
 
 def build(job: Job, force: bool = False) -> Artifact:
@@ -29,10 +32,10 @@ def build(job: Job, force: bool = False) -> Artifact:
 
     optimized_module = load_module(optimized.path)
     started = time.perf_counter()
-    compiled = compile_tuned(database.inference_module(optimized_module, job.target), job.target, log_dir, job.say,
+    compiled = compile_tuned(inference_module(optimized_module, job.target), job.target, log_dir, job.say,
                              announce="build")
     params = load_params(job.stage_dir("convert") / PARAMS_FILE)
-    for transform in (database.entry_module(optimized_module, PREPACK_ENTRY), compiled.prepack):
+    for transform in (entry_module(optimized_module, WEIGHT_LAYOUT_ENTRY), compiled.weight_layouts):
         params = _transform_params(transform, params)
     meta = {
         "artifact": str(path / LIBRARY_FILE),
@@ -100,5 +103,5 @@ def _transform_params(transform, params: dict) -> dict:
     if transform is None:
         return params
     vm = relax.VirtualMachine(tvm.compile(transform, tvm.target.Target({"kind": "llvm"})), tvm.cpu())
-    outputs = vm[PREPACK_ENTRY]([tvm.runtime.tensor(w) for w in params.values()])
+    outputs = vm[WEIGHT_LAYOUT_ENTRY]([tvm.runtime.tensor(w) for w in params.values()])
     return {f"w{i:04d}": out.numpy() for i, out in enumerate(outputs)}

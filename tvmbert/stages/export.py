@@ -4,7 +4,7 @@ TVM tunes static shapes only (a dynamic-shape BERT builds with untuned kernels, 
 so a package is a set of static builds, the buckets: one per (batch, sequence length), each a
 normal ``build`` (tuned where the logs cover it). The loader pads a call to the cheapest buckets
 that fit. Weights are stored once per distinct array: buckets share most of them, but the arrays
-``build`` transforms (a position-embedding slice, weights prepacked into a kernel's tile layout)
+``build`` transforms (a position-embedding slice, weights laid out in a kernel's tiles)
 can differ by shape. With ``packed``, every batch > 1 also gets packed buckets (packing.py) of
 PACKED_FILLS of its tokens: a batch of mixed lengths runs its real tokens only.
 """
@@ -26,9 +26,11 @@ from tvmbert.core.config import JobConfig
 from tvmbert.core.errors import InputError
 from tvmbert.core.families import TASKS
 from tvmbert.deploy import packing
-from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, MASK_INPUT, PACKED_FORMAT, load, sha256
+from tvmbert.deploy.inputs import MASK_INPUT
+from tvmbert.deploy.loader import LIBRARY_FILE
+from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, PACKED_FORMAT, load, sha256
+from tvmbert.deploy.weights import PARAMS_FILE, load_params
 from tvmbert.frontend import models
-from tvmbert.ir.files import LIBRARY_FILE, PARAMS_FILE, load_params
 from tvmbert.stages.build import build
 from tvmbert.stages.job import Job
 
@@ -117,11 +119,7 @@ def _check_out(out: Path) -> None:
         raise InputError(f"-o {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
         raise InputError(f"-o {out} holds other files: give a new or empty folder, or a package to replace")
-    for folder in out.parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise InputError(f"-o {out} cannot be written: {folder} is a file, not a folder")
-            break
+    artifacts.check_writable_folder(out.parent, "-o")
 
 
 def _bucket_job(job: Job, batch: int, seq_len: int, tokens: int | None = None) -> Job:

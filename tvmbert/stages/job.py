@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -11,46 +10,34 @@ from pathlib import Path
 from tvmbert.core import artifacts, targets
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.config import JobConfig
+from tvmbert.core.console import to_stderr
 from tvmbert.core.errors import InputError
 from tvmbert.core.families import TASKS
 from tvmbert.core.registry import STAGES
 from tvmbert.frontend import models
-
-
-def _check_folder(path: Path, option: str) -> None:
-    """A folder that exists or can be made: not a file, nor below one."""
-    for folder in (path, *path.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise InputError(f"{option} {path} is not writable: {folder} is a file, not a folder")
-            return
-
-
-def _to_stderr(message: str) -> None:
-    print(message, file=sys.stderr)
+from tvmbert.passes.pipeline import PassContext, check_pass_names
 
 
 @dataclass
 class Job:
     config: JobConfig
     no_deps: bool = False  # never run an earlier stage; its artifact must exist
-    say: Callable[[str], None] = field(default=_to_stderr)  # human progress lines, never stdout
+    say: Callable[[str], None] = field(default=to_stderr)  # human progress lines, never stdout
 
     def __post_init__(self):
         self.config.validate()
         self.source = models.resolve(self.config.model, self.config.seed, self.config.task)
         self.target = targets.resolve(self.config.target)
-        if self.config.dtype == "bfloat16" and self.target.kind == "llvm":
-            from tvmbert.kernels import amx
-
-            if not amx.target_has_amx(self.target):
-                raise InputError(amx.no_amx_message(self.target))
+        if self.config.passes is not None:
+            check_pass_names(self.config.passes, "passes")
+        if self.config.dtype == "bfloat16" and self.target.kind == "llvm" and not self.target.has_amx_bf16:
+            raise InputError(self.target.no_amx_message())
         if self.config.seq_len is not None:
             models.check_seq_len(self.source, self.config.seq_len)
         if self.config.tokens is not None:
             self._check_packed()
-        _check_folder(Path(self.config.workdir), "--workdir")
-        _check_folder(Path(self.config.log_dir), "--log-dir")
+        artifacts.check_writable_folder(Path(self.config.workdir), "--workdir")
+        artifacts.check_writable_folder(Path(self.config.log_dir), "--log-dir")
         if self.config.text is not None:
             _ = self.inputs  # tokenized now: a text that does not fit fails before any work
 
@@ -64,6 +51,10 @@ class Job:
         batch, seq_len = known or self.inputs.shape
         tokens = f"-t{self.config.tokens}" if self.config.tokens is not None else ""
         return f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
+
+    @property
+    def pass_context(self) -> PassContext:
+        return PassContext(self.config.dtype, self.target, self.config.fast_math)
 
     @property
     def packed(self) -> bool:

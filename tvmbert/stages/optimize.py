@@ -8,22 +8,13 @@ from collections import Counter
 from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
 from tvmbert.ir.files import load_module, save_module
-from tvmbert.passes.pipeline import DEFAULT_PASSES, PASS_NAMES, PASSES, check_pass_names, pass_list, per_target
+from tvmbert.passes.pipeline import pass_list, per_target, selected
 from tvmbert.stages.convert import convert
 from tvmbert.stages.job import Job
 
 
 def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
-    check_pass_names(disable, "--disable")
-    passes = job.config.passes if job.config.passes is not None else DEFAULT_PASSES
-    for graph_pass in PASSES:
-        name = graph_pass.name
-        if graph_pass.added_by is not None and graph_pass.added_by(job.config) and name not in passes:
-            # In its canonical place: before the first pass that comes after it in PASS_NAMES.
-            rank = PASS_NAMES.index(name)
-            at = next((i for i, other in enumerate(passes) if PASS_NAMES.index(other) > rank), len(passes))
-            passes = (*passes[:at], name, *passes[at:])
-    return tuple(name for name in passes if name not in disable)
+    return selected(job.config.passes, job.pass_context, disable)
 
 
 def count_ops(module) -> dict[str, int]:
@@ -66,7 +57,7 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
         module = relax.transform.DecomposeOpsForTraining()(module)
     per_pass = []
     for name in names:
-        module = tvm.transform.Sequential(pass_list((name,), job.config.dtype, job.config.target))(module)
+        module = tvm.transform.Sequential(pass_list((name,), job.pass_context))(module)
         per_pass.append({"pass": name, "ops": count_ops(module)})
     meta = {"outputs": converted.meta.get("outputs", []), "packing": converted.meta.get("packing"), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
     with artifacts.writing("optimize", path, fp, meta) as tmp:

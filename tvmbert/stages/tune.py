@@ -24,9 +24,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from tvmbert.core import artifacts
 from tvmbert.core.errors import InputError, Interrupted
 from tvmbert.core.targets import cpu_count
 from tvmbert.ir.files import load_module
+from tvmbert.ir.tasks import Task, extract_tasks, inference_module, marked_kernels, without_marks
 from tvmbert.stages.job import Job
 from tvmbert.stages.optimize import optimize
 from tvmbert.tuning import database, measure
@@ -83,12 +85,12 @@ def _done_keys(log_dir: Path) -> set[str]:
     return done
 
 
-def _mark_done(log_dir: Path, task: database.Task, trials: int) -> None:
+def _mark_done(log_dir: Path, task: Task, trials: int) -> None:
     with open(log_dir / DONE_FILE, "a") as handle:
         handle.write(json.dumps({"workload": database.workload_key(task.module), "task": task.name, "trials": trials}) + "\n")
 
 
-def plan(tasks: list[database.Task], trials: int, per_task: int | None) -> dict[str, int]:
+def plan(tasks: list[Task], trials: int, per_task: int | None) -> dict[str, int]:
     """Trials per task, in proportion to its cost (flops x calls), capped by ``per_task``.
 
     Computed over every non-trivial task, tuned or not, so that a resumed run plans the same
@@ -107,15 +109,6 @@ def plan(tasks: list[database.Task], trials: int, per_task: int | None) -> dict[
     return budgets
 
 
-def _check_writable(log_dir: Path) -> None:
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=log_dir, prefix=".probe-")
-        probe.close()
-    except OSError as exc:
-        raise InputError(f"tuning log directory {log_dir} is not writable: {exc.strerror or exc}") from None
-
-
 def _prepare(job: Job) -> tuple[Path, int]:
     """The database folder, checked writable, and the RPC servers to measure on (0: this machine)."""
     options = job.config.tune
@@ -126,7 +119,7 @@ def _prepare(job: Job) -> tuple[Path, int]:
         raise InputError(f"tuning measures candidates on the device, and this machine has no {job.target.kind} GPU: "
                          "pass --rpc-tracker HOST:PORT --rpc-key KEY of a tracker that serves one")
     log_dir = job.log_dir()
-    _check_writable(log_dir)
+    artifacts.check_writable_folder(log_dir, "--log-dir")
     return log_dir, servers
 
 
@@ -151,7 +144,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
         tasks = dispatch.layer_tasks(job)
     else:
         optimized = job.upstream("optimize", optimize)
-        tasks = database.extract_tasks(database.inference_module(load_module(optimized.path), job.target), job.target)
+        tasks = extract_tasks(inference_module(load_module(optimized.path), job.target), job.target)
     if only:
         selected = [t for t in tasks if any(p.search(t.name) for p in patterns)]
         if not selected:
@@ -203,11 +196,11 @@ def adapt(job: Job) -> TuneResult:
     so a full tune still tunes everything."""
     log_dir, servers = _prepare(job)
     optimized = job.upstream("optimize", optimize)
-    module = database.inference_module(load_module(optimized.path), job.target)
-    marked = database.marked(module)
-    kernels = [t for t in database.extract_tasks(module, job.target) if not t.trivial]
-    # Both layouts of a prepackable kernel: the build picks whichever measures faster here.
-    variants = kernels + [t for t in database.extract_tasks(database.without_marks(module, marked), job.target)
+    module = inference_module(load_module(optimized.path), job.target)
+    marked = marked_kernels(module)
+    kernels = [t for t in extract_tasks(module, job.target) if not t.trivial]
+    # Both layouts of a kernel that may lay its weight out: the build picks whichever measures faster here.
+    variants = kernels + [t for t in extract_tasks(without_marks(module, marked), job.target)
                           if t.name in marked]
     started = time.perf_counter()
     with database.locked(log_dir, say=job.say):
@@ -363,7 +356,7 @@ class _Session:
                 _mark_done(self.log_dir, task, state.existing + state.new_trials)
             self.refresh()
 
-    def measure_records(self, task: database.Task, state: TaskProgress, records: list) -> None:
+    def measure_records(self, task: Task, state: TaskProgress, records: list) -> None:
         """Times other CPUs' records of ``task`` here, cold, and stores them as this CPU's."""
         import tvm
         from tvm.s_tir import meta_schedule as ms

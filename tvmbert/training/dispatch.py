@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tvmbert.core import targets
+from tvmbert.core.console import to_stderr
 from tvmbert.core.errors import InputError
+from tvmbert.ir.tasks import Task, extract_tasks
+from tvmbert.passes.pipeline import lowering
 from tvmbert.training import autodiff
-from tvmbert.tuning import database
 
 ATTRIBUTE = "_tvmbert_dispatch"
 ENTRIES = ("forward", "backward")  # the Relax functions of a training module
@@ -363,7 +365,7 @@ def export(forward, module, inputs):
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    from tvmbert.passes.pipeline import dtype_preserving_matmuls
+    from tvmbert.frontend.conversions import dtype_preserving_matmuls
 
     sites = dropout_sites(forward, inputs)
     masks = [torch.ones(s.shape, dtype=s.dtype, device=inputs[0].device) for s in sites]
@@ -396,22 +398,6 @@ def training_module(forward, module, inputs):
     return split, sites, params, out_spec, n_outputs
 
 
-def lower(module):
-    """The inference pipeline's lowering, plus weight transposes folded into their matmuls: the
-    weights arrive as PyTorch keeps them ([out, in]) on every call, and a separate transpose
-    kernel would copy them all each time."""
-    import tvm
-    from tvm import relax
-
-    from tvmbert.passes.pipeline import pass_list
-
-    t = relax.transform
-    dce = t.DeadCodeElimination(list(ENTRIES))
-    return tvm.transform.Sequential([
-        *pass_list(("fold-constants", "cse")), dce, t.FuseTransposeMatmul(), *pass_list(("legalize", "fuse")), dce,
-    ])(module)
-
-
 def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
     import tvm
     from tvm import relax
@@ -419,20 +405,12 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
     from tvmbert.tuning.compile import compile_tuned
 
     split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
-    compiled = compile_tuned(lower(split.module), target, log_dir, _to_stderr, ENTRIES, label=type(module).__name__)
+    compiled = compile_tuned(lowering(ENTRIES)(split.module), target, log_dir, to_stderr, ENTRIES, label=type(module).__name__)
     device = tvm.device(inputs[0].device.type, inputs[0].device.index or 0)
     vm = relax.VirtualMachine(compiled.executable, device)
     param_signature = Signature.of([_lookup(module, name) for name in params])
     return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split, len(compiled.tasks),
                     compiled.untuned)
-
-
-def _to_stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
-def extract_tasks(lowered, target) -> list[database.Task]:
-    return database.extract_tasks(lowered, target, ENTRIES)
 
 
 def job_layer(job):
@@ -462,11 +440,11 @@ def job_layer(job):
     return layer.train(), (hidden.detach(), mask)
 
 
-def layer_tasks(job) -> list[database.Task]:
+def layer_tasks(job) -> list[Task]:
     """The forward and backward kernels ``add_tvm_dispatch`` compiles for the job's layer."""
     layer, inputs = job_layer(job)
     split, *_ = training_module(layer.forward, layer, inputs)
-    return extract_tasks(lower(split.module), job.target)
+    return extract_tasks(lowering(ENTRIES)(split.module), job.target, ENTRIES)
 
 
 def saved_activation_bytes(module, inputs) -> int:

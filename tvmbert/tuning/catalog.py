@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from tvmbert.ir.tasks import extract_tasks, marked_kernels, without_marks
 from tvmbert.tuning import database
 
 NATIVE = "native"
@@ -159,14 +160,14 @@ class Catalog:
 
     def prefer_measured_layouts(self, module, target):
         """Keeps each kernel's weights as they are where records measured that way (tuned before
-        prepacking, or for a shape where it does not pay: compute-bound matmuls already keep their
-        weight tiles in cache) run faster than the prepacked ones. Both are read from the nearest
+        a weight layout of its own, or for a shape where it does not pay: compute-bound matmuls already keep their
+        weight tiles in cache) run faster than the laid-out ones. Both are read from the nearest
         database that measured either: times from two CPUs do not compare."""
-        marked = database.marked(module)
+        marked = marked_kernels(module)
         if not marked:
             return module
-        packed = {t.name: t.module for t in database.extract_tasks(module, target) if t.name in marked}
-        plain = {t.name: t.module for t in database.extract_tasks(database.without_marks(module, marked), target)
+        packed = {t.name: t.module for t in extract_tasks(module, target) if t.name in marked}
+        plain = {t.name: t.module for t in extract_tasks(without_marks(module, marked), target)
                  if t.name in marked}
         slower = set()
         for name, mod in packed.items():
@@ -175,7 +176,7 @@ class Catalog:
                 packed_s, plain_s = (database.mean_seconds(self.records(source, m)) for m in (mod, plain[name]))
                 if plain_s is not None and (packed_s is None or plain_s < packed_s):
                     slower.add(name)
-        return database.without_marks(module, slower) if slower else module
+        return without_marks(module, slower) if slower else module
 
     def schedules(self, tasks) -> tuple[dict, object]:
         """Per task, where its schedule comes from (native, transferred from KEY, default), and

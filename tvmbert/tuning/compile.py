@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tvmbert.core.errors import StageFailed
+from tvmbert.ir.tasks import entry_module, extract_tasks
 from tvmbert.tuning import database
 from tvmbert.tuning.catalog import DEFAULT, TRANSFERRED, Catalog
 from tvmbert.tuning.default_schedules import default_cpu_schedules
 
-PREPACK_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
+WEIGHT_LAYOUT_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
 
 
 @dataclass
@@ -18,7 +19,7 @@ class TunedBuild:
     executable: object  # relax.VMExecutable of the entries
     tasks: list  # the non-trivial tasks of the entries
     schedules: dict[str, str]  # task name -> where its schedule came from: native, transferred from KEY, default
-    prepack: object | None  # IRModule: PREPACK_ENTRY, the weight layouts the tuned kernels read
+    weight_layouts: object | None  # IRModule: WEIGHT_LAYOUT_ENTRY, the weight layouts the tuned kernels read
     databases: list[str]  # every database the records were looked up in
 
     @property
@@ -55,7 +56,7 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
     catalog = Catalog(log_dir, target.key, warn=lambda message: say(f"warning: {message}"), live=live,
                       cores=target.config.get("num-cores"))
     module = catalog.prefer_measured_layouts(module, target)
-    tasks = [t for t in database.extract_tasks(module, target, entries) if not t.trivial]
+    tasks = [t for t in extract_tasks(module, target, entries) if not t.trivial]
     schedules, records = catalog.schedules(tasks)
     if announce:
         say(f"{announce}: {target.key}, {summary(schedules)} ({log_dir})")
@@ -64,17 +65,17 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
         with records:
             module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
         module = (_default_gpu_schedules() if target.is_gpu else default_cpu_schedules())(module)
-        if target.prepacks_weights:
-            # A kernel tuned with a weight layout of its own starts by repacking the weight; that
-            # step becomes a kernel apart, lifted out of main into PREPACK_ENTRY, run once by build.
+        if target.lays_out_weights:
+            # A kernel tuned with a weight layout of its own starts by laying the weight out; that
+            # step becomes a kernel apart, lifted out of main into WEIGHT_LAYOUT_ENTRY, run once by build.
             module = tvm.transform.Sequential([relax.transform.SplitLayoutRewritePreproc(),
                                                relax.transform.LiftTransformParams()])(module)
-    prepack = database.entry_module(module, PREPACK_ENTRY)
+    weight_layouts = entry_module(module, WEIGHT_LAYOUT_ENTRY)
     try:
-        executable = tvm.compile(database.entry_module(module, *entries), tvm_target)
+        executable = tvm.compile(entry_module(module, *entries), tvm_target)
     except Exception as exc:
         raise StageFailed(f"TVM build{' of ' + label if label else ''} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
-    return TunedBuild(executable, tasks, schedules, prepack, catalog.read())
+    return TunedBuild(executable, tasks, schedules, weight_layouts, catalog.read())
 
 
 def _default_gpu_schedules():

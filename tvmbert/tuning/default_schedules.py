@@ -4,7 +4,7 @@ TVM's CPU pipeline only legalizes: a kernel without a record runs as a naive ser
 (bert-base 1x14: 2.9 s). dlight has CPU rules for GEMV and reductions only. These rules fill the
 gap the way TVM's old ``topi/x86/dense.py`` fallback did: matmuls get a register-blocked
 outer-product micro-kernel (rows x vectors of accumulators kept in registers over the whole
-reduction, weights prepacked into the panels the tiles read, epilogue fused per tile, tiles in
+reduction, weights laid out once in the panels the tiles read, epilogue fused per tile, tiles in
 parallel); other kernels get their outer spatial loops fused and parallel and their inner loop
 vectorized.
 
@@ -14,7 +14,8 @@ cannot schedule; the next rule then tries, and a kernel no rule takes keeps TVM'
 
 from __future__ import annotations
 
-from tvmbert.tuning.database import LAYOUT_FREE
+from tvmbert.core.targets import vector_lanes
+from tvmbert.ir.tasks import LAYOUT_FREE
 
 MAX_ACCUMULATORS = 28  # vector registers a micro-kernel's accumulator tile may hold (AVX-512 has 32)
 MAX_TILE_ROWS = 14
@@ -28,13 +29,6 @@ def default_cpu_schedules():
 
     return dlight.ApplyDefaultSchedule(
         _guarded(dlight.cpu.GEMV()), _rule(_matmul), _guarded(dlight.cpu.Reduction()), _rule(_loops))
-
-
-def _vector_lanes(target, dtype_bits: int) -> int:
-    from tvm.target.codegen import llvm_get_vector_width
-
-    width = llvm_get_vector_width(target)
-    return max((width if width > 0 else 128) // dtype_bits, 1)
 
 
 def _guarded(rule):
@@ -124,7 +118,7 @@ def _matmul(func, target):
     if m is None or n is None or _extent(sch, reduce) is None:
         return None
     out_bits = sch.get(matmul).writes[0].source.dtype.bits
-    vector = _divisor_at_most(n, _vector_lanes(target, out_bits))
+    vector = _divisor_at_most(n, vector_lanes(target, out_bits))
     tile_rows, tile_vectors = max(
         ((r, v) for r in range(1, min(m, MAX_TILE_ROWS) + 1) if m % r == 0
          for v in range(1, MAX_TILE_VECTORS + 1) if n % (v * vector) == 0 and r * v <= MAX_ACCUMULATORS),
@@ -180,7 +174,7 @@ def _loops(func, target):
             elements *= _extent(sch, loop) or 1
         if leading == len(kinds):  # element-wise: vectorize the innermost loop
             inner = _extent(sch, loops[-1]) or 1
-            vector = _divisor_at_most(inner, _vector_lanes(target, sch.get(block).writes[0].source.dtype.bits))
+            vector = _divisor_at_most(inner, vector_lanes(target, sch.get(block).writes[0].source.dtype.bits))
             if vector > 1:
                 _, lane = sch.split(loops[-1], [None, vector])
                 sch.vectorize(lane)

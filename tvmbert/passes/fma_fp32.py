@@ -1,0 +1,89 @@
+"""The ``fma-fp32`` pass: fp32 matmuls by a weight, with their bias and the activation or
+residual add after them, become calls of the FMA micro-kernel (``kernels/fma.py``) on the weight
+in panels."""
+
+from __future__ import annotations
+
+from tvmbert.kernels.fma import ACTIVATION_ATTR, ACTIVATIONS, MIN_ROWS, kernel, tile
+
+
+def panel_major_variant(call, function, lanes: int):
+    """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
+    ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
+    ``[n / width, m, width]``; None for one with a residual. Writing a tile's rows into one panel
+    is cheaper than into rows ``n`` floats apart (bert-base's Q/K/V projection at 8 x 128 alone:
+    12.1 -> 11.7 ms), and where the panel width is the head size (6 x 4 tiles, bert-base), each
+    panel is one head's Q, K or V, which the attention kernel then reads whole."""
+    import numpy as np
+
+    from tvmbert.passes.kernel_calls import static_shape
+
+    x, wp, _, r = (static_shape(arg) for arg in call.args[1].fields)
+    if r != (1,):
+        return None
+    lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
+    m, width = int(np.prod(lead)), wp[2]
+    activation = str(function.attrs[ACTIVATION_ATTR]) or None
+    return kernel(m, n, k, lanes, lead, activation, panel_major=True), (n // width, m, width)
+
+
+def weight_in_panels(weight, width: int):
+    """Relax: W[K, N] -> Wp[N / width, K, width] (a reshape and a transpose of a weight alone,
+    which bind-params lifts into the build-time weight transform)."""
+    from tvm import relax
+
+    k, n = (int(d) for d in weight.ty.shape)
+    return relax.op.permute_dims(relax.op.reshape(weight, (k, n // width, width)), [1, 0, 2])
+
+
+def fma_matmuls(lanes: int):
+    """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
+    ``MIN_ROWS`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
+    call of the kernel on W in panels, together with the activation or the residual add that follows
+    it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
+    from tvm import relax
+
+    from tvmbert.passes.kernel_calls import (
+        Epilogues,
+        KernelFunctions,
+        kernel_operands,
+        row_count,
+        weight_matmul_sizes,
+        weights_of,
+    )
+    from tvmbert.passes.rewriters import function_pass
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def __init__(self, module):
+            super().__init__(module)
+            self.kernels = KernelFunctions("fma_matmul_", lambda m, lead, n, k, activation, residual, _:
+                                           kernel(m, n, k, lanes, lead, activation, residual))
+            self.weights = set()
+            self.epilogues = None
+
+        def start(self, function):
+            self.weights = weights_of(function)
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
+
+        def fits(self, call):
+            sizes = weight_matmul_sizes(call, self.weights)
+            if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
+                return None
+            lead, n, _ = sizes
+            return sizes if row_count(lead) >= MIN_ROWS and tile(n, lanes) is not None else None
+
+        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
+            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
+            lead, n, k = sizes
+            _, vectors = tile(n, lanes)
+            laid_out = self.builder_.emit(weight_in_panels(weight, vectors * lanes))
+            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
+            return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(laid_out, bias, residual)],
+                                  relax.TensorType((*lead, n), out_dtype))
+
+        def visit_var_binding_(self, binding):
+            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
+                super().visit_var_binding_(binding)
+
+    return function_pass("FmaFp32Matmuls", Rewriter)
