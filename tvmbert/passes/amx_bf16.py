@@ -26,15 +26,8 @@ def amx_matmuls():
     import numpy as np
     from tvm import relax
 
-    from tvmbert.passes.kernel_calls import (
-        Epilogues,
-        KernelFunctions,
-        call_with_padded_rows,
-        kernel_operands,
-        row_count,
-        weight_matmul_sizes,
-        weights_of,
-    )
+    from tvmbert.ir.dataflow import row_count, weight_matmul_sizes, weights_of
+    from tvmbert.passes.kernel_calls import Epilogues, KernelFunctions, call_with_padded_rows, kernel_operands
     from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator

@@ -22,13 +22,13 @@ class _Attention(NamedTuple):
 
 def _find(flow, lanes: int) -> tuple[dict, dict]:
     """The attentions the kernel computes in a function of dataflow ``flow``
-    (``kernel_calls.dataflow``): the ``P V`` matmul's var -> _Attention, and the head-major
+    (``ir/dataflow.dataflow``): the ``P V`` matmul's var -> _Attention, and the head-major
     transposes of their results (var -> the ``P V`` var)."""
     import numpy as np
     import tvm
     from tvm import relax
 
-    from tvmbert.passes.kernel_calls import static_shape as shape_of
+    from tvmbert.ir.dataflow import static_shape as shape_of
 
     bindings, values, _ = flow
 
@@ -209,7 +209,7 @@ def attention_rewrite(lanes: int):
     What else uses the views or the scores keeps them (dead code goes)."""
     from tvm import relax
 
-    from tvmbert.passes.kernel_calls import dataflow, unread
+    from tvmbert.ir.dataflow import dataflow, unread
     from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator

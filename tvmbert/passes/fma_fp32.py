@@ -16,7 +16,7 @@ def panel_major_variant(call, function, lanes: int):
     panel is one head's Q, K or V, which the attention kernel then reads whole."""
     import numpy as np
 
-    from tvmbert.passes.kernel_calls import static_shape
+    from tvmbert.ir.dataflow import static_shape
 
     x, wp, _, r = (static_shape(arg) for arg in call.args[1].fields)
     if r != (1,):
@@ -43,14 +43,8 @@ def fma_matmuls(lanes: int):
     it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
     from tvm import relax
 
-    from tvmbert.passes.kernel_calls import (
-        Epilogues,
-        KernelFunctions,
-        kernel_operands,
-        row_count,
-        weight_matmul_sizes,
-        weights_of,
-    )
+    from tvmbert.ir.dataflow import row_count, weight_matmul_sizes, weights_of
+    from tvmbert.passes.kernel_calls import Epilogues, KernelFunctions, kernel_operands
     from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator

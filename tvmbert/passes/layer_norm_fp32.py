@@ -15,8 +15,8 @@ def layer_norm_rewrite(lanes: int):
     here, where the row is read anyway)."""
     from tvm import relax
 
+    from tvmbert.ir.dataflow import dataflow, row_count, static_shape, unread
     from tvmbert.kernels.fma import MIN_ROWS
-    from tvmbert.passes.kernel_calls import dataflow, row_count, static_shape, unread
     from tvmbert.passes.rewriters import function_pass
 
     def sizes(call):

@@ -13,11 +13,7 @@ def unflatten_batched_matmuls():
     import tvm
     from tvm import relax
 
-    def static_shape(expr):
-        shape = getattr(getattr(expr, "ty", None), "shape", None)
-        if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
-            return None
-        return [int(d) for d in shape]
+    from tvmbert.ir.dataflow import static_shape
 
     def is_op(expr, name):
         return isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == name
@@ -38,7 +34,7 @@ def unflatten_batched_matmuls():
             if is_op(broadcast, "relax.broadcast_to") and static_shape(broadcast.args[0]) == static_shape(source):
                 source = broadcast.args[0]
             shape, flat_shape = static_shape(source), static_shape(flat)
-            if shape is None or flat_shape is None or len(shape) != 4 or [shape[0] * shape[1], *shape[2:]] != flat_shape:
+            if shape is None or flat_shape is None or len(shape) != 4 or (shape[0] * shape[1], *shape[2:]) != flat_shape:
                 return None
             return source
 
