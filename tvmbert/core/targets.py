@@ -128,12 +128,17 @@ class TargetSpec:
 
 # Read once, before any thread pool could pin this process to fewer cores.
 HOST_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-# TVM's runtime otherwise takes half the cores, assuming hyperthreads; we want every core.
-os.environ.setdefault("TVM_NUM_THREADS", str(len(HOST_CPUS)))
 
 
 def cpu_count() -> int:
     return len(HOST_CPUS)
+
+
+def use_every_core() -> None:
+    """TVM's runtime otherwise takes half the cores, assuming hyperthreads; we want every core.
+    Read when its thread pool starts: the CLI, a Job and the library loader call this first, and
+    a TVM_NUM_THREADS the user set wins."""
+    os.environ.setdefault("TVM_NUM_THREADS", str(len(HOST_CPUS)))
 
 
 # x86 instruction sets LLVM may emit anywhere in code for a target that enables them (it

@@ -37,6 +37,7 @@ def load_library(path: Path, target_config: dict, amx: bool = False, error: type
     and weight layouts) would otherwise run the old kernels on the new weights. The copies stay
     until the process exits: a deleted copy's inode could be reused by the next one, which the
     loader would take for the library it already has."""
+    targets.use_every_core()
     import tvm
 
     check_cpu(path, target_config, error)

@@ -1,1 +1,29 @@
-"""kernels"""
+"""Our hand-written TIR kernels, one file each (the kernel and what it needs to be built, no graph
+rewriting: the pass that calls each is in ``passes/``). May import ``core``.
+
+KERNELS is the table build reads: adding a kernel is its file here, its pass in ``passes/`` with
+an entry in ``passes/pipeline.PASSES``, and an entry below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tvmbert.kernels import amx, attention, fma, layer_norm
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str  # build's metadata lists the kernels of a library as "<name>_kernels"
+    attribute: str  # the PrimFunc attribute marking it (tuning and the default schedules leave it alone)
+    graph_pass: str  # the pass that calls it
+    instructions_in: Callable[[object], int] | None = None  # (executable) -> the count of its key instruction
+
+
+KERNELS = (
+    Kernel("amx", amx.KERNEL_ATTR, "amx-bf16", amx.instructions_in),
+    Kernel("fma", fma.KERNEL_ATTR, "fma-fp32"),
+    Kernel("attention", attention.KERNEL_ATTR, "attention-fp32"),
+    Kernel("layer_norm", layer_norm.KERNEL_ATTR, "layer-norm-fp32"),
+)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 
-from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
 from tvmbert.deploy.loader import LIBRARY_FILE
 from tvmbert.deploy.weights import PARAMS_FILE, load_params, save_params
 from tvmbert.ir.files import load_module
 from tvmbert.ir.tasks import entry_module, inference_module
-from tvmbert.kernels import amx, attention, fma, layer_norm
+from tvmbert.kernels import KERNELS
 from tvmbert.passes.kernel_calls import kernels_in
+from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
 from tvmbert.stages.optimize import optimize
 from tvmbert.tuning import database
@@ -21,11 +21,9 @@ from tvmbert.tuning.compile import WEIGHT_LAYOUT_ENTRY, compile_tuned
 def build(job: Job, force: bool = False) -> Artifact:
     optimized = job.upstream("optimize", optimize)
     log_dir = job.log_dir()
-    fp = artifacts.fingerprint(stage="build", optimize=optimized.fingerprint, target=job.target.config,
-                               databases=database.state(log_dir.parent))
-    path = job.stage_dir("build")
-    if not force and (hit := artifacts.cached("build", path, fp)):
-        job.say(f"build: cached ({path})")
+    stage = CachedStage(job, "build", optimize=optimized.fingerprint, target=job.target.config,
+                        databases=database.state(log_dir.parent))
+    if hit := stage.reused(force):
         _suggest_adapt(job, hit.meta)
         return hit
     job.target.check_toolchain()
@@ -38,7 +36,7 @@ def build(job: Job, force: bool = False) -> Artifact:
     for transform in (entry_module(optimized_module, WEIGHT_LAYOUT_ENTRY), compiled.weight_layouts):
         params = _transform_params(transform, params)
     meta = {
-        "artifact": str(path / LIBRARY_FILE),
+        "artifact": str(stage.path / LIBRARY_FILE),
         "target": job.target.config,
         "target_key": job.target.key,
         "database": str(log_dir),
@@ -53,21 +51,16 @@ def build(job: Job, force: bool = False) -> Artifact:
         "packing": optimized.meta.get("packing"),  # a packed build's shape and position rule (packing.py)
         "device_modules": device_modules(compiled.executable.mod),
     }
-    kernels = kernels_in(optimized_module, amx.KERNEL_ATTR)
-    if kernels:  # what runs on AMX, and the proof that the library holds its instructions
-        meta["amx_kernels"] = kernels
-        meta["amx_instructions"] = amx.instructions_in(compiled.executable)
-    if kernels := kernels_in(optimized_module, fma.KERNEL_ATTR):  # weight matmuls on our FMA kernel: no task, nothing to tune
-        meta["fma_kernels"] = kernels
-    if kernels := kernels_in(optimized_module, attention.KERNEL_ATTR):  # attention on our kernel: nothing to tune
-        meta["attention_kernels"] = kernels
-    if kernels := kernels_in(optimized_module, layer_norm.KERNEL_ATTR):
-        meta["layer_norm_kernels"] = kernels
-    with artifacts.writing("build", path, fp, meta) as tmp:
+    for kernel in KERNELS:  # calls of our kernels: no task, nothing to tune
+        if found := kernels_in(optimized_module, kernel.attribute):
+            meta[f"{kernel.name}_kernels"] = found
+            if kernel.instructions_in is not None:  # the proof that the library holds its instructions
+                meta[f"{kernel.name}_instructions"] = kernel.instructions_in(compiled.executable)
+    with stage.writing(meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block
     _suggest_adapt(job, meta)
-    return Artifact("build", path, fp, {"fingerprint": fp, **meta}, cached=False)
+    return stage.written(meta)
 
 
 def _suggest_adapt(job: Job, meta: dict) -> None:

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.errors import StageFailed
 from tvmbert.deploy.weights import PARAMS_FILE, save_params
 from tvmbert.frontend.conversions import dtype_preserving_matmuls
 from tvmbert.ir.files import PROGRAM_FILE, save_module
+from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
 from tvmbert.stages.trace import trace
 
 
 def convert(job: Job, force: bool = False) -> Artifact:
     traced = job.upstream("trace", trace)
-    fp = artifacts.fingerprint(stage="convert", trace=traced.fingerprint)
-    path = job.stage_dir("convert")
-    if not force and (hit := artifacts.cached("convert", path, fp)):
-        job.say(f"convert: cached ({path})")
+    stage = CachedStage(job, "convert", trace=traced.fingerprint)
+    if hit := stage.reused(force):
         return hit
     job.say("convert: torch.export program -> Relax IR")
     import torch
@@ -38,7 +36,7 @@ def convert(job: Job, force: bool = False) -> Artifact:
     weights = {name: tensor.numpy() for name, tensor in zip(names, params["main"])}
     meta = {"weights": len(weights), "weight_bytes": int(sum(w.nbytes for w in weights.values())), "outputs": traced.meta["outputs"],
             "packing": traced.meta.get("packing")}
-    with artifacts.writing("convert", path, fp, meta) as tmp:
+    with stage.writing(meta) as tmp:
         save_module(module, tmp)
         save_params(tmp / PARAMS_FILE, weights)
-    return Artifact("convert", path, fp, {"fingerprint": fp, **meta}, cached=False)
+    return stage.written(meta)

@@ -25,6 +25,8 @@ class Job:
     say: Callable[[str], None] = field(default=to_stderr)  # human progress lines, never stdout
 
     def __post_init__(self):
+        models.stay_offline()
+        targets.use_every_core()
         self.config.validate()
         self.source = models.resolve(self.config.model, self.config.seed, self.config.task)
         self.target = targets.resolve(self.config.target)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
 from tvmbert.ir.files import load_module, save_module
 from tvmbert.passes.pipeline import pass_list, per_target, selected
+from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.convert import convert
 from tvmbert.stages.job import Job
 
@@ -38,11 +38,9 @@ def count_ops(module) -> dict[str, int]:
 def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Artifact:
     converted = job.upstream("convert", convert)
     names = pipeline(job, disable)
-    fp = artifacts.fingerprint(stage="optimize", convert=converted.fingerprint, passes=names,
-                               **({"target": job.target.key} if per_target(names) else {}))
-    path = job.stage_dir("optimize")
-    if not force and (hit := artifacts.cached("optimize", path, fp)):
-        job.say(f"optimize: cached ({path})")
+    stage = CachedStage(job, "optimize", convert=converted.fingerprint, passes=names,
+                        **({"target": job.target.key} if per_target(names) else {}))
+    if hit := stage.reused(force):
         return hit
     job.say(f"optimize: {' -> '.join(names) or 'no passes'}")
     import tvm
@@ -60,9 +58,9 @@ def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Ar
         module = tvm.transform.Sequential(pass_list((name,), job.pass_context))(module)
         per_pass.append({"pass": name, "ops": count_ops(module)})
     meta = {"outputs": converted.meta.get("outputs", []), "packing": converted.meta.get("packing"), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
-    with artifacts.writing("optimize", path, fp, meta) as tmp:
+    with stage.writing(meta) as tmp:
         save_module(module, tmp)
-    return Artifact("optimize", path, fp, {"fingerprint": fp, **meta}, cached=False)
+    return stage.written(meta)
 
 
 def pictures(job: Job, optimized: Artifact) -> list[str]:

@@ -11,7 +11,9 @@ from tvmbert.core.config import torch_dtype
 from tvmbert.core.errors import StageFailed
 from tvmbert.deploy import packing
 from tvmbert.frontend import models
+from tvmbert.frontend.packed_attention import load_packed
 from tvmbert.ir.files import PROGRAM_FILE
+from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
 
 
@@ -28,7 +30,7 @@ def trace(job: Job, force: bool = False) -> Artifact:
 
     batch, seq_len = job.inputs.shape
     if job.packed:
-        model = models.load_packed(job.source, torch_dtype(job.config.dtype), job.config.seed)
+        model = load_packed(job.source, torch_dtype(job.config.dtype), job.config.seed)
         inputs = packed_example(job, model.positions)
     else:
         model, inputs = None, job.inputs.tensors
@@ -45,12 +47,10 @@ def trace(job: Job, force: bool = False) -> Artifact:
     }
     if job.packed:
         meta["packing"] = {"batch": batch, "seq_len": seq_len, "tokens": job.config.tokens, "positions": model.positions}
-    fp = artifacts.fingerprint(stage="trace", model=job.source.fingerprint, seed=job.config.seed, dtype=job.config.dtype,
-                               inputs=[t.tolist() for t in inputs.values()], versions=meta["versions"],
-                               **({"packing": meta["packing"]} if job.packed else {}))
-    path = job.stage_dir("trace")
-    if not force and (hit := artifacts.cached("trace", path, fp)):
-        job.say(f"trace: cached ({path})")
+    stage = CachedStage(job, "trace", model=job.source.fingerprint, seed=job.config.seed, dtype=job.config.dtype,
+                        inputs=[t.tolist() for t in inputs.values()], versions=meta["versions"],
+                        **({"packing": meta["packing"]} if job.packed else {}))
+    if hit := stage.reused(force):
         return hit
     packed = f", packed: {job.config.tokens} tokens" if job.packed else ""
     job.say(f"trace: exporting {job.source.name} ({batch} x {seq_len}{packed}, {job.config.dtype}) with torch.export")
@@ -67,10 +67,10 @@ def trace(job: Job, force: bool = False) -> Artifact:
     # Serialized in memory first: torch's zip writer aborts the process when the disk fills up.
     program_bytes = io.BytesIO()
     torch.export.save(program, program_bytes)
-    with artifacts.writing("trace", path, fp, meta) as tmp:
+    with stage.writing(meta) as tmp:
         (tmp / PROGRAM_FILE).write_bytes(program_bytes.getbuffer())
         artifacts.write_json(tmp / "inputs.json", {n: t.tolist() for n, t in inputs.items()})
-    return artifacts.Artifact("trace", path, fp, {"fingerprint": fp, **meta}, cached=False)
+    return stage.written(meta)
 
 
 def packed_example(job: Job, positions: dict) -> dict:

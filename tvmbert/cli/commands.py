@@ -1,0 +1,331 @@
+"""The commands: each parses its options, calls its stage's Python API, and hands the result to
+``render``. No logic of their own."""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
+
+import click
+
+from tvmbert.cli import render
+from tvmbert.cli.render import err
+from tvmbert.core import config as config_module
+from tvmbert.core.config import JobConfig
+from tvmbert.core.errors import CheckFailed, InputError
+from tvmbert.core.registry import ENGINES as ENGINE_NAMES
+
+INVOCATION: list[str] = []  # the command line, as the user typed it, for reports
+
+
+def _common(func):
+    """Options every stage shares: what model, which shape and dtype, for which target, where."""
+    options = [
+        click.argument("model", required=False),
+        click.option("--task", help="The head to compile: feature-extraction, text-classification, token-classification, "
+                     "question-answering, fill-mask (default: the one config.json's architectures names)."),
+        click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
+        click.option("--batch", help="Batch size of the example inputs (bench, export: a list, e.g. 1,8)."),
+        click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench, export: a list)."),
+        click.option("--tokens", type=int, help="A packed build of this many tokens: the batch's real tokens run as one "
+                     "stream, attention per sequence (no work on padding)."),
+        click.option("--text", help="Example text, for models with a tokenizer."),
+        click.option("--dtype", help="float32 (default), float64, float16 or bfloat16 (README: Precision)."),
+        click.option("--seed", type=int, help="Seed of a preset's random weights."),
+        click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
+        click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
+        click.option("--workdir", help="Where artifacts go (default: build)."),
+        click.option("--log-dir", help="Where tuning databases live (default: tuning_logs)."),
+        click.option("--no-deps", is_flag=True, help="Never run an earlier stage; its artifact must exist."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _numbers(text: str | None, option: str, kind=int, many: bool = False) -> tuple:
+    """'1,8' -> (1, 8); one value unless ``many``."""
+    if text is None:
+        return ()
+    try:
+        values = tuple(kind(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise InputError(f"{option} must be {'a list of numbers' if many else 'a number'}, got '{text}'") from None
+    if not values or (len(values) > 1 and not many):
+        raise InputError(f"{option} takes {'one or more numbers' if many else 'one number'}, got '{text}'")
+    return values
+
+
+def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
+    """A Job from the config file (if any), overridden by the flags given."""
+    from tvmbert.stages.job import Job
+
+    batches = _numbers(params["batch"], "--batch", many=sweep)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=sweep)
+    params["batch"] = batches[0] if batches else None
+    params["seq_len"] = seq_lens[0] if seq_lens else None
+
+    base = config_module.load(params.pop("config_path")) if params.get("config_path") else JobConfig()
+    params.pop("config_path", None)
+    model = params.pop("model")
+    flags = {
+        "model": model,
+        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "target", "workdir",
+                                      "log_dir")},
+        **(overrides or {}),
+    }
+    job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))
+    return job
+
+
+def _emit(as_json: bool, result: dict, human) -> None:
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        human(result)
+
+
+def _quiet_warnings(func):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return func(*args, **kwargs)
+
+    return wrapper
+
+
+@click.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@_quiet_warnings
+def trace(as_json, force, **params):
+    """torch.export the model with its example inputs."""
+    from tvmbert.core.artifacts import artifact_summary
+    from tvmbert.stages.trace import trace as run
+
+    _emit(as_json, artifact_summary(run(_job(params), force=force)), render.artifact("trace"))
+
+
+@click.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@_quiet_warnings
+def convert(as_json, force, **params):
+    """Import the exported program into TVM Relax (IR saved as TVMScript)."""
+    from tvmbert.core.artifacts import artifact_summary
+    from tvmbert.stages.convert import convert as run
+
+    _emit(as_json, artifact_summary(run(_job(params), force=force)), render.artifact("convert"))
+
+
+@click.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@click.option("--passes", help="Comma-separated pass pipeline (default: the config's, or all).")
+@click.option("--disable", multiple=True, help="Leave out a pass by name (repeatable).")
+@click.option("--viz", is_flag=True, help="Draw encoder layer 0 before and after the passes (SVG; DOT without Graphviz).")
+@_quiet_warnings
+def optimize(as_json, force, passes, disable, viz, **params):
+    """Run the graph-pass pipeline; report op counts before and after."""
+    from tvmbert.core.artifacts import artifact_summary
+    from tvmbert.stages.optimize import optimize as run
+    from tvmbert.stages.optimize import pictures
+
+    overrides = {"passes": tuple(p.strip() for p in passes.split(",") if p.strip())} if passes else None
+    job = _job(params, overrides)
+    artifact = run(job, force=force, disable=tuple(disable))
+    result = artifact_summary(artifact)
+    if viz:
+        result["pictures"] = pictures(job, artifact)
+        if result["pictures"][0].endswith(".dot"):
+            err.print("viz: Graphviz's `dot` is not installed (Debian: apt install graphviz), so these are DOT files; "
+                      "render one with: dot -Tsvg FILE.dot -o FILE.svg")
+        err.print(f"viz: {', '.join(result['pictures'])}")
+    _emit(as_json, result, render.ops)
+
+
+@click.command()
+@_common
+@click.option("--trials", type=int, help="Total measurement trials for this run.")
+@click.option("--trials-per-task", type=int, help="At most this many trials per task.")
+@click.option("--rpc-tracker", help="HOST:PORT of a TVM RPC tracker to measure on.")
+@click.option("--rpc-key", help="Device key registered with the tracker.")
+@click.option("--retune", is_flag=True, help="Spend trials on tasks that are already tuned too, searching on from their records.")
+@click.option("--fresh", is_flag=True, help="With --retune: start those tasks' search over; their old records stop counting.")
+@click.option("--train", is_flag=True, help="Tune the forward and backward kernels of encoder layer 0 (add_tvm_dispatch).")
+@click.option("--kernel", "only", multiple=True, help="Only the kernels (tuning tasks) whose names match this regular expression (repeatable).")
+@click.option("--adapt", is_flag=True, help="Measure other CPUs' records on this CPU and keep them as its own, then search "
+              "where the time is (--trials, default 320): minutes, on a CPU without logs of its own.")
+@_quiet_warnings
+def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, fresh, train, only, adapt, **params):
+    """Tune the model's kernels with MetaSchedule into the target's database."""
+    from tvmbert.stages.tune import adapt as run_adapt
+    from tvmbert.stages.tune import tune as run
+
+    if adapt and (retune or fresh or train or only or trials_per_task):
+        raise InputError("--adapt takes none of --retune, --fresh, --train, --kernel, --trials-per-task")
+    overrides = {"tune.trials": trials, "tune.trials_per_task": trials_per_task, "tune.rpc_tracker": rpc_tracker, "tune.rpc_key": rpc_key}
+    job = _job(params, overrides)
+    result = (run_adapt(job) if adapt else run(job, retune=retune, train=train, only=only, fresh=fresh)).to_json()
+    _emit(as_json, result, render.tune)
+
+
+@click.command()
+@click.option("--log-dir", default="tuning_logs", show_default=True, help="Where tuning databases live.")
+@click.option("--top-k", type=click.IntRange(1, 1000), default=8, show_default=True, help="Records kept per workload.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def compact(log_dir, top_k, as_json):
+    """Write each database's shipped file (records.jsonl.gz): the best records per workload."""
+    from tvmbert.tuning import database
+
+    root = Path(log_dir)
+    if not root.is_dir():
+        raise InputError(f"--log-dir {root} is not a folder")
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    results = []
+    for folder in folders:
+        with database.locked(folder, say=lambda message: err.print(message)):
+            results.append(database.compact(folder, top_k, warn=lambda message: err.print(f"warning: {message}", markup=False)))
+    _emit(as_json, {"databases": results}, render.compact)
+
+
+@click.command()
+@_common
+@click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
+@_quiet_warnings
+def build(as_json, force, **params):
+    """Compile for the target with the tuning database applied."""
+    from tvmbert.core.artifacts import artifact_summary
+    from tvmbert.stages.build import build as run
+
+    _emit(as_json, artifact_summary(run(_job(params), force=force)), render.build)
+
+
+@click.command()
+@_common
+@click.option("--samples", type=int, help="Inputs compared (the example, then padded random ones).")
+@click.option("--tolerance", type=float, help="Max abs diff allowed (default 1e-4 fp32, 1e-10 fp64).")
+@click.option("--train", is_flag=True, help="Check encoder layer 0 in training through add_tvm_dispatch: "
+              "forward, every gradient and one optimizer step, dropout on.")
+@_quiet_warnings
+def verify(as_json, samples, tolerance, train, **params):
+    """Compare every output with PyTorch; exit 1 when over tolerance."""
+    from tvmbert.stages.verify import check, check_training, verify_training
+    from tvmbert.stages.verify import verify as run
+
+    if train:
+        result = verify_training(_job(params))
+        _emit(as_json, result.to_json(), render.verify_training)
+        check_training(result)
+        return
+    result = run(_job(params, {"verify.samples": samples, "verify.tolerance": tolerance}))
+    _emit(as_json, result.to_json(), render.verify)
+    check(result)
+
+
+@click.command()
+@_common
+@click.option("--padding", help="Fraction of each sequence that is padding (a list sweeps), e.g. 0,0.5.")
+@click.option("--engines", help=f"Comma-separated engines (default: all of {', '.join(ENGINE_NAMES)}).")
+@click.option("--warmup", type=int, help="Untimed runs per engine first.")
+@click.option("--repeat", type=int, help="At least this many timed runs per engine.")
+@click.option("--min-time", type=float, help="And at least this many seconds per engine.")
+@click.option("--threads", type=int, help="Threads for every engine (default: all cores).")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Also write the results as CSV.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Also plot latency vs sequence length (PNG).")
+@click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False), help="Also write a Markdown table (docs).")
+@click.option("--train", is_flag=True, help="Time encoder layer 0 forward + backward (add_tvm_dispatch) against PyTorch.")
+@click.option("--lengths", help="A variable-length workload: A-B (uniform token counts) or a file of texts; the exported "
+              "package (buckets: --seq-len) against engines of any shape.")
+@click.option("--requests", type=int, help="With --lengths: requests of --batch sequences (default 100, or the file's texts).")
+@click.option("--packed", is_flag=True, help="Also time tvm-packed: the packed build of the same rows (their real tokens only).")
+@_quiet_warnings
+def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path, plot_path, markdown_path, train, lengths,
+          requests, packed, **params):
+    """Time TVM against PyTorch and ONNX Runtime on the same inputs, interleaved; sweeps shapes."""
+    if lengths is not None:
+        from tvmbert.stages.bench.lengths import bench_lengths
+
+        if train or padding or csv_path or plot_path or markdown_path or packed:
+            raise InputError("--lengths takes none of --train, --padding, --csv, --plot, --markdown, --packed")
+        if requests is not None and requests < 1:
+            raise InputError(f"--requests must be >= 1, got {requests}")
+        seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+        _numbers(params["batch"], "--batch")
+        names = tuple(e.strip() for e in engines.split(",") if e.strip()) if engines else None
+        overrides = {"bench.engines": names, "bench.warmup": warmup, "bench.threads": threads}
+        _emit(as_json, bench_lengths(_job(params, overrides, sweep=True), lengths, requests or 0, seq_lens), render.bench_lengths)
+        return
+    from tvmbert.core.artifacts import check_output_file, write_bytes, write_text
+    from tvmbert.stages.bench import bench as run
+    from tvmbert.stages.bench import bench_training, plot, to_csv, to_markdown
+
+    for path, option in ((csv_path, "--csv"), (plot_path, "--plot"), (markdown_path, "--markdown")):
+        if path:
+            check_output_file(Path(path), option)
+    if train:
+        overrides = {"bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
+        _emit(as_json, bench_training(_job(params, overrides)), render.bench_training)
+        return
+    batches = _numbers(params["batch"], "--batch", many=True)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+    paddings = _numbers(padding, "--padding", kind=float, many=True) or (0.0,)
+    names = tuple(e.strip() for e in engines.split(",") if e.strip()) if engines else None
+    if packed:
+        from tvmbert.stages.bench.engines import DEFAULT_ENGINES
+
+        names = (*(names or DEFAULT_ENGINES), *(() if names and "tvm-packed" in names else ("tvm-packed",)))
+    overrides = {"bench.engines": names, "bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
+    report = run(_job(params, overrides, sweep=True), batches, seq_lens, paddings)
+    if csv_path:
+        write_text(Path(csv_path), to_csv(report))
+    if plot_path:
+        write_bytes(Path(plot_path), plot(report))
+    if markdown_path:
+        write_text(Path(markdown_path), to_markdown(report, "tvmbert " + " ".join(INVOCATION)))
+    _emit(as_json, report, render.bench)
+
+
+@click.command()
+@_common
+@click.option("-o", "--output", "out_dir", type=click.Path(), help="The package folder (replaced whole if it is one).")
+@click.option("--packed", is_flag=True, default=None, help="Also packed buckets for batches > 1: a batch of mixed lengths runs "
+              "its real tokens only.")
+@_quiet_warnings
+def export(as_json, out_dir, packed, **params):
+    """Build every (batch, seq-len) bucket and write one package that tvmbert.load serves."""
+    from tvmbert.stages.export import export as run
+
+    batches = _numbers(params["batch"], "--batch", many=True)
+    seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
+    manifest = run(_job(params, {"export.out_dir": out_dir, "export.packed": packed}, sweep=True), out_dir, batches, seq_lens)
+    _emit(as_json, manifest, render.export)
+
+
+@click.command("run")
+@click.argument("config_path", type=click.Path(dir_okay=False))
+@click.option("--model", help="Override the config's model.")
+@click.option("--target", help="Override the config's target.")
+@click.option("--workdir", help="Where artifacts go.")
+@click.option("--log-dir", help="Where tuning databases live.")
+@click.option("--force", is_flag=True, help="Redo every listed stage even when cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@_quiet_warnings
+def run_config(config_path, model, target, workdir, log_dir, force, as_json):
+    """Run the stages a YAML config lists, in order."""
+    from tvmbert.stages.job import Job
+    from tvmbert.stages.run import run
+
+    config = config_module.load(config_path).with_overrides(model=model, target=target, workdir=workdir, log_dir=log_dir)
+    results = run(Job(config), force=force)
+    _emit(as_json, results, render.run)
+    if results.get("verify", {}).get("passed") is False:
+        raise CheckFailed(f"verify failed: max abs diff {results['verify']['max_abs_diff']:.3g} > {results['verify']['tolerance']:.3g}")
+
+
+# In the order `tvmbert --help` lists them.
+COMMANDS = (trace, convert, optimize, tune, compact, build, verify, bench, export, run_config)

@@ -1,0 +1,161 @@
+"""Human output of the commands: tables and lines on the terminal (--json prints the result instead)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False)
+
+
+def artifact(stage):
+    def show(result):
+        out.print(f"{stage}: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
+
+    return show
+
+
+def tune(result):
+    out.print(f"tune: {result['new_trials']} new trials in {result['seconds']} s"
+              + (f" ({result['trials_per_minute']} trials/min)" if result["trials_per_minute"] else "")
+              + f" into {result['database']}")
+    tuned = [t for t in result["tasks"] if t["best_us"] is not None]
+    out.print(f"tuned tasks: {len(tuned)}/{len(result['tasks'])}, {len(result['skipped_trivial'])} trivial tasks skipped"
+              + (f", est. end-to-end {result['estimated_e2e_ms']} ms" if result["estimated_e2e_ms"] else ""))
+
+
+def compact(result):
+    for db in result["databases"]:
+        out.print(f"compact: {db['database']}: {db['records']} of {db['records_before']} records kept "
+                  f"({db['workloads']} workloads), {db['bytes'] / 1e6:.2f} MB")
+
+
+def ops(result):
+    table = Table(title=f"op counts ({' -> '.join(result['passes'])})")
+    table.add_column("op")
+    table.add_column("before", justify="right")
+    table.add_column("after", justify="right")
+    for op in sorted(set(result["ops_before"]) | set(result["ops_after"])):
+        table.add_row(op, str(result["ops_before"].get(op, "")), str(result["ops_after"].get(op, "")))
+    out.print(table)
+
+
+def build(result):
+    from tvmbert.tuning.compile import summary
+
+    out.print(f"build: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
+    out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read'])}")
+    if result["untuned"]:
+        out.print(f"untuned (default schedules): {', '.join(result['untuned'])}")
+
+
+def verify(result):
+    table = Table(title=f"verify against PyTorch ({result['dtype']}, {result['samples']} inputs, {result['target']})")
+    for column in ("output", "shape", "max abs diff", "max rel diff"):
+        table.add_column(column)
+    for o in result["outputs"]:
+        table.add_row(o["name"], "x".join(map(str, o["shape"])), f"{o['max_abs_diff']:.3g}", f"{o['max_rel_diff']:.3g}")
+    out.print(table)
+    verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
+    out.print(f"verify: {verdict} max abs diff {result['max_abs_diff']:.3g} (tolerance {result['tolerance']:.3g})")
+
+
+def verify_training(result):
+    table = Table(title=f"verify --train: {result['layer']} {'x'.join(map(str, result['shape']))}, {result['dtype']}, "
+                        f"dropout on, against PyTorch ({result['target']}, {result['tasks_tuned']}/{result['tasks_total']} tasks tuned)")
+    table.add_column("tensor")
+    table.add_column("max abs diff", justify="right")
+    table.add_column("tolerance", justify="right")
+    table.add_row("forward output", f"{result['forward_max_abs_diff']:.3g}", f"{result['forward_tolerance']:.3g}")
+    for name, diff in result["grads"].items():
+        table.add_row(f"grad {name}", f"{diff:.3g}", f"{result['grad_tolerance']:.3g}")
+    table.add_row("parameters after one SGD step", f"{result['step_max_abs_diff']:.3g}", f"{result['grad_tolerance']:.3g}")
+    out.print(table)
+    fallback = result["fallback"]
+    out.print(f"fallback: a {'x'.join(map(str, fallback['shape']))} call ran in "
+              f"{'PyTorch' if fallback['ran_in_pytorch'] else 'TVM'} (max abs diff {fallback['max_abs_diff']:.3g})")
+    saved = result["saved_bytes"]
+    out.print(f"saved for backward: tvm {saved['tvm'] / 1024:,.1f} KiB, torch {saved['torch'] / 1024:,.1f} KiB")
+    verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
+    out.print(f"verify --train: {verdict}")
+
+
+def bench_training(report):
+    env = report["environment"]
+    table = Table(title=f"{report['model']} {report['layer']} {'x'.join(map(str, report['shape']))} forward + backward, "
+                        f"{report['dtype']}, {env['threads']} threads, {env['target']}")
+    for column in ("engine", "median ms", "p90 ms", "runs", "setup s"):
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for name, stats in report["engines"].items():
+        table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", str(stats["runs"]), f"{stats['setup_s']:.1f}")
+    out.print(table)
+    saved = report["saved_bytes"]
+    out.print(f"saved for backward: tvm {saved['tvm'] / 1024:,.1f} KiB, torch {saved['torch'] / 1024:,.1f} KiB; "
+              f"{report['tasks_tuned']}/{report['tasks_total']} tasks tuned")
+    verdict = "tvm faster" if report["ratio"] < 1 else "tvm slower"
+    out.print(f"tvm median / torch-eager's: {report['ratio']:.2f} ({verdict})")
+
+
+def bench(report):
+    env = report["environment"]
+    for result in report["results"]:
+        table = Table(title=f"{report['model']} {result['batch']}x{result['seq_len']}"
+                            + (f" ({result['padding']:.0%} padding)" if result["padding"] else "")
+                            + f", {report['dtype']}, {env['threads']} threads, {env['target']}")
+        for column in ("engine", "median ms", "p90 ms", "p99 ms", "seq/s", "runs", "setup s", "memory MB"):
+            table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
+        for name, stats in result["engines"].items():
+            if "skipped" in stats:
+                table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
+            else:
+                table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", f"{stats['p99_ms']:.3f}",
+                              f"{stats['throughput']:.1f}", str(stats["runs"]), f"{stats['setup_s']:.1f}",
+                              f"{stats['memory_mb']:.0f}")
+        out.print(table)
+        if result["ratio"]:
+            verdict = "tvm faster" if result["ratio"] < 1 else "tvm slower"
+            out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
+        if result.get("packed_speedup"):
+            out.print(f"tvm (padded) median / tvm-packed's: {result['packed_speedup']:.2f}")
+
+
+def export(manifest):
+    table = Table(title=f"{manifest['model']['name']} package, {manifest['dtype']}, {manifest['target_key']}")
+    for column in ("bucket", "tasks tuned", "build s", "median ms"):
+        table.add_column(column, justify="left" if column == "bucket" else "right")
+    for b in manifest["buckets"]:
+        table.add_row(f"{b['batch']}x{b['seq_len']}" + (f", {b['tokens']} tokens" if b.get("tokens") else ""),
+                      f"{b['tasks_tuned']}/{b['tasks_total']}",
+                      f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
+                      f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
+    out.print(table)
+    report = manifest["report"]
+    out.print(f"export: {report['path']}: {report['package_bytes'] / 1e6:.1f} MB (weights stored "
+              f"{report['stored_weight_bytes'] / 1e6:.1f} MB for {report['weight_bytes'] / 1e6:.1f} MB of model weights, "
+              f"libraries {report['library_bytes'] / 1e6:.1f} MB) in {report['seconds']} s")
+
+
+def bench_lengths(report):
+    env, work = report["environment"], report["workload"]
+    table = Table(title=f"{report['model']}, {work['requests']} requests of {work['batch']}, lengths {work['lengths']} (mean "
+                        f"{work['mean_length']}, max {work['max_length']}), {report['dtype']}, {env['threads']} threads, {env['target']}")
+    for column in ("engine", "seq/s", "p50 ms", "p99 ms", "mean ms", "setup s"):
+        table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
+    for name, stats in report["engines"].items():
+        if "skipped" in stats:
+            table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
+        else:
+            table.add_row(name, f"{stats['throughput']:.1f}", f"{stats['p50_ms']:.3f}", f"{stats['p99_ms']:.3f}",
+                          f"{stats['mean_ms']:.3f}", f"{stats['setup_s']:.1f}")
+    out.print(table)
+    if report["throughput_ratio"]:
+        verdict = "tvm serves more" if report["throughput_ratio"] >= 1 else "tvm serves fewer"
+        out.print(f"tvm throughput / best other's ({report['best_other']}): {report['throughput_ratio']:.2f} ({verdict})")
+
+
+def run(results):
+    printers = {"export": export, "verify": verify, "bench": bench, "build": build, "optimize": ops,
+                "tune": tune}
+    for stage, result in results.items():
+        printers.get(stage, artifact(stage))(result)
