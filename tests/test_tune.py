@@ -17,9 +17,9 @@ import pytest
 from conftest import SMALL_TUNE, tune_in_background
 
 from tvmbert.ir.tasks import LAYOUT_FREE, Task, entry_module, extract_tasks, inference_module, marked_kernels
-from tvmbert.stages.tune import plan
 from tvmbert.tuning import database
 from tvmbert.tuning.catalog import Catalog
+from tvmbert.tuning.search import plan
 
 pytestmark = pytest.mark.slow
 

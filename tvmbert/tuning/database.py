@@ -31,6 +31,7 @@ RECORDS_FILE = "database_tuning_record.json"
 # task's search over; its earlier records (up to line n of the records file) stay in the file,
 # append-only, but no longer count (e.g. measured hot, before CPU tuning measured cold).
 SUPERSEDED_FILE = "superseded.json"
+DONE_FILE = "tasks_done.json"  # one JSON object per line: {"workload": structural hash, "task", "trials"}
 LOCK_FILE = ".lock"
 
 
@@ -405,3 +406,21 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
         tmp.unlink(missing_ok=True)
     return {"database": str(log_dir), "workloads": len(lines), "records": kept,
             "records_before": len(database.get_all_tuning_records()), "bytes": path.stat().st_size}
+
+
+def done_keys(log_dir: Path) -> set[str]:
+    """The workloads whose tuning budget was spent: not tuned again unless asked."""
+    done = set()
+    path = log_dir / DONE_FILE
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                done.add(json.loads(line)["workload"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn line only means that task is resumed instead of skipped
+    return done
+
+
+def mark_done(log_dir: Path, task: Task, trials: int) -> None:
+    with open(log_dir / DONE_FILE, "a") as handle:
+        handle.write(json.dumps({"workload": workload_key(task.module), "task": task.name, "trials": trials}) + "\n")
