@@ -10,7 +10,7 @@ import pytest
 
 from tvmbert.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import HOST_AMX, HOST_LANES, SMALL_TUNE
 
 
 @dataclass
@@ -45,10 +45,6 @@ def tvmbert(capsys, workdir):
     return run
 
 
-# 12 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
-SMALL_TUNE = ("--trials", "48", "--trials-per-task", "4")
-
-
 @pytest.fixture(scope="session")
 def tuned(tmp_path_factory, workdir):
     """bert-tiny tuned once into a fresh log dir, under this CPU's key; tests that change the
@@ -58,41 +54,19 @@ def tuned(tmp_path_factory, workdir):
     return log_dir
 
 
-def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, **popen):
-    """`tvmbert tune bert-tiny` in a process of its own (16 trials per task), returned once it has
-    appended ``records`` record lines, with the path of its records file."""
-    import subprocess
-    import sys
-    import time
-
-    from tvmbert.tuning import database
-
-    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", str(trials), "--trials-per-task", "16",
-               "--log-dir", str(log_dir), "--workdir", str(workdir)]
-    process = subprocess.Popen(command, **popen)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        files = list(log_dir.glob("*/" + database.RECORDS_FILE))
-        if files and files[0].read_text().count("\n") >= records:
-            return process, command, files[0]
-        time.sleep(0.5)
-    process.kill()
-    raise AssertionError(f"tune measured fewer than {records} records in 300 s")
+def pytest_configure(config):
+    config.addinivalue_line("markers", "simd: runs our fp32 kernels on this CPU: needs AVX-512, or AVX2 with FMA")
+    config.addinivalue_line("markers", "amx: runs bf16 kernels on AMX: needs AMX-BF16, granted by the kernel")
 
 
-def _host_has_amx() -> bool:
-    from tvmbert.core import targets
-    from tvmbert.kernels import amx
-
-    if not amx.target_has_amx(targets.resolve("llvm")):
-        return False
-    try:
-        amx.request_permission()
-    except OSError:
-        return False
-    return True
-
-
-HOST_AMX = _host_has_amx()  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
-needs_amx = pytest.mark.skipif(not HOST_AMX, reason="this CPU has no AMX-BF16 (or the kernel does not grant it): "
-                                                    "--dtype bfloat16 is refused here")
+def pytest_collection_modifyitems(config, items):
+    """A test marked for hardware this CPU lacks is skipped with the reason, not run: code built
+    for instructions the host lacks would kill the process (SIGILL)."""
+    lacking = {
+        "simd": None if HOST_LANES else "this CPU has neither AVX-512 nor AVX2 with FMA",
+        "amx": None if HOST_AMX else "this CPU has no AMX-BF16 (or the kernel does not grant it): --dtype bfloat16 is refused here",
+    }
+    for item in items:
+        for marker, reason in lacking.items():
+            if reason and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))

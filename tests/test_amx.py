@@ -7,13 +7,12 @@ import math
 
 import numpy as np
 import pytest
-from conftest import needs_amx
 
 from tvmbert.core import targets
 from tvmbert.kernels import amx
 
 
-@needs_amx
+@pytest.mark.amx
 @pytest.mark.parametrize("lead, n, k, activation, residual, out_dtype", [
     ((64,), 96, 64, None, False, "float32"),
     ((2, 32), 64, 128, "relax.nn.gelu", False, "float32"),
@@ -45,7 +44,7 @@ def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype)
     assert np.abs(y.numpy().astype(np.float64) - expected).max() <= tolerance * np.abs(expected).max()
 
 
-@needs_amx
+@pytest.mark.amx
 def test_bf16_runs_its_matmuls_on_amx(tvmbert, workdir):
     from tvmbert.deploy.weights import load_params
 
@@ -66,7 +65,7 @@ def test_bf16_runs_its_matmuls_on_amx(tvmbert, workdir):
     assert (384 // 16, 128 // 2, 16, 2) in shapes  # the QKV weight, packed in AMX's layout at build time
 
 
-@needs_amx
+@pytest.mark.amx
 def test_bf16_attention_and_layer_norms_run_on_the_fp32_kernels(tvmbert, workdir):
     # Only the weight matmuls run in bf16: attention and layer norm stay fp32, on our kernels.
     outcome = tvmbert("verify", "bert-tiny", "--dtype", "bfloat16", "--batch", "2", "--seq-len", "32", "--json")
@@ -87,7 +86,7 @@ def test_bf16_is_refused_for_a_cpu_without_amx(tvmbert):
     assert "Traceback" not in outcome.stderr
 
 
-@needs_amx
+@pytest.mark.amx
 def test_bf16_matmuls_the_kernel_does_not_fit_keep_their_loop_nest(tvmbert, workdir):
     # A 2-label classifier (N = 2, not a multiple of 32) keeps the bf16 loop nest; the rest runs on AMX.
     outcome = tvmbert("verify", "bert-tiny", "--task", "text-classification", "--dtype", "bfloat16", "--json")
@@ -98,7 +97,7 @@ def test_bf16_matmuls_the_kernel_does_not_fit_keep_their_loop_nest(tvmbert, work
     assert len(meta.get("meta", meta)["amx_kernels"]) == 4
 
 
-@needs_amx
+@pytest.mark.amx
 def test_bench_in_bf16_runs_the_pytorch_peers_in_bf16(tvmbert):
     outcome = tvmbert("bench", "bert-tiny", "--dtype", "bfloat16", "--engines", "tvm,torch-eager,onnxruntime",
                       "--repeat", "3", "--min-time", "0", "--warmup", "1", "--json")

@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
 
 from tvmbert.core import artifacts
 from tvmbert.core.errors import InputError
+
+from helpers import REPO
 
 
 def test_a_full_disk_during_trace_is_one_line_and_leaves_nothing(tmp_path):

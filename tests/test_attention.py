@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_fma import _build_meta, heap_buffers
 
-from tvmbert.core import targets
-from tvmbert.kernels import attention, fma
+from tvmbert.kernels import attention
 
-HOST = targets.resolve("llvm").tvm_target()
-HOST_LANES = fma.lanes_of(HOST)
-needs_simd = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
+from helpers import HOST, HOST_LANES, QKV_PANEL, build_meta, heap_buffers
+
 MASKED = np.finfo(np.float32).min  # what transformers adds for a masked key
-# bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.
-QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0
 
 
 def _reference(q, k, v, mask, scale):
@@ -31,7 +26,7 @@ def _heads(columns, batch, seq, heads, dim, offset):  # [B * S, C] columns -> [B
     return columns[:, offset:offset + heads * dim].reshape(batch, seq, heads, dim).transpose(0, 2, 1, 3)
 
 
-@needs_simd
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
@@ -66,7 +61,7 @@ def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_sh
     assert "expf" not in library.mod.inspect_source("asm")  # the softmax's exp is the vectorized polynomial
 
 
-@needs_simd
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
     """The register tiles' accumulators and the softmax's partials on the stack, in registers (a
@@ -78,7 +73,7 @@ def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
     assert sorted(heap_buffers(library)) == ["block", "kt", "scores", "vh"]
 
 
-@needs_simd
+@pytest.mark.simd
 def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does():
     import torch
     import tvm
@@ -104,13 +99,13 @@ def test_shapes_off_the_vector_lanes_keep_the_graph():
     assert not attention.fits(14, 64, 16) and not attention.fits(32, 24, 16) and not attention.fits(32, 64, 0)
 
 
-@needs_simd
+@pytest.mark.simd
 def test_bert_tiny_attention_runs_on_the_kernel(tvmbert, workdir):
     # 2 x 32: verify compares the example and padded random inputs (masked keys) with PyTorch.
     outcome = tvmbert("verify", "bert-tiny", "--batch", "2", "--seq-len", "32", "--samples", "3", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
-    meta = _build_meta(workdir, "b2-s32-float32")
+    meta = build_meta(workdir, "b2-s32-float32")
     # Both layers call it, reading Q, K and V as the fused projection's kernel writes them: panel-major.
     assert meta["attention_kernels"] == [f"attention_2x2x32x64_masked_panels{QKV_PANEL}"]
     assert "fma_matmul_64x384x128_panels" in meta["fma_kernels"] and "fma_matmul_64x384x128" not in meta["fma_kernels"]
@@ -121,7 +116,7 @@ def test_bert_tiny_attention_runs_on_the_kernel(tvmbert, workdir):
     assert "tir:softmax" not in optimized.json["ops_after"] and "tir:split" not in optimized.json["ops_after"]
 
 
-@needs_simd
+@pytest.mark.simd
 def test_off_lane_lengths_and_a_disabled_pass_keep_the_graph(tvmbert, workdir):
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "14", "--json")
     assert outcome.code == 0, outcome.stderr
@@ -133,7 +128,7 @@ def test_off_lane_lengths_and_a_disabled_pass_keep_the_graph(tvmbert, workdir):
     assert not any(name.startswith("tir:attention") for name in outcome.json["ops_after"])
 
 
-@needs_simd
+@pytest.mark.simd
 def test_a_packed_builds_attention_reads_its_rows_through_the_index():
     """A packed build's operands hold the real tokens only; ``rows`` places them in the grid."""
     import tvm
@@ -154,7 +149,7 @@ def test_a_packed_builds_attention_reads_its_rows_through_the_index():
     np.testing.assert_allclose(y.numpy(), _reference(q, k, v, mask, 0.25).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
 
 
-@needs_simd
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("head_per_panel", [False, True])
 def test_panel_major_operands_give_the_row_major_result(lanes, head_per_panel):

@@ -11,12 +11,13 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-from conftest import SMALL_TUNE, tune_in_background
 
 from tvmbert.core.targets import resolve
 from tvmbert.ir.tasks import extract_tasks, inference_module
-from tvmbert.tuning import catalog, database
+from tvmbert.tuning import catalog, database, record_files
 from tvmbert.tuning.catalog import Catalog
+
+from helpers import SMALL_TUNE, tune_in_background
 
 HOST = resolve("llvm").key
 # A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
@@ -32,7 +33,7 @@ def fake_record(*insts):
 def test_nearest_cpu_first_same_isa_level_before_same_vendor_never_another_architecture(tmp_path):
     for key in ("llvm-znver4", "llvm-haswell", "llvm-neoverse-v1", "llvm-icelake-server", "cuda-sm_90"):
         (tmp_path / key).mkdir()
-        (tmp_path / key / database.COMPACT_FILE).write_bytes(gzip.compress(b""))
+        (tmp_path / key / record_files.COMPACT_FILE).write_bytes(gzip.compress(b""))
     found = Catalog(tmp_path / "llvm-skylake-avx512", "llvm-skylake-avx512", print)
     # AVX-512 Intel, then AVX-512 AMD, then AVX2 Intel; no Arm, no GPU.
     assert [s.key for s in found.others] == ["llvm-icelake-server", "llvm-znver4", "llvm-haswell"]
@@ -80,9 +81,8 @@ def test_default_schedules_leave_no_kernel_a_naive_loop_nest(tvmbert, workdir, t
     import tvm
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
 
-    from tvmbert import Job, JobConfig
+    from tvmbert import Job, JobConfig, optimize
     from tvmbert.ir.files import load_module
-    from tvmbert.stages import optimize
     from tvmbert.tuning.default_schedules import default_cpu_schedules
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path)))
@@ -119,7 +119,7 @@ def test_compact_keeps_the_best_records_and_builds_choose_the_same(tvmbert, tune
     assert compacted.code == 0, compacted.stderr
     (summary,) = compacted.json["databases"]
     assert summary["records"] < summary["records_before"]
-    for name in (database.WORKLOADS_FILE, database.RECORDS_FILE):
+    for name in (record_files.WORKLOADS_FILE, record_files.RECORDS_FILE):
         (logs / HOST / name).unlink()  # a fresh clone: the shipped file alone
     shipped = database.open_database(logs / HOST)
     for record in history.get_all_tuning_records():
@@ -138,26 +138,26 @@ def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
     shutil.copytree(tuned, logs)
     folder = logs / HOST
     # The history's workload file replaced (here: two lines swapped): records name their workload.
-    workloads = (folder / database.WORKLOADS_FILE).read_text().splitlines()
+    workloads = (folder / record_files.WORKLOADS_FILE).read_text().splitlines()
     workloads[0], workloads[1] = workloads[1], workloads[0]
-    (folder / database.WORKLOADS_FILE).write_text("\n".join(workloads) + "\n")
-    (folder / database.COMPACT_FILE).unlink()
+    (folder / record_files.WORKLOADS_FILE).write_text("\n".join(workloads) + "\n")
+    (folder / record_files.COMPACT_FILE).unlink()
     warnings = []
     records = database.open_database(folder, warn=warnings.append)
     assert warnings and all("was measured on workload" in w for w in warnings)
     for record in records.get_all_tuning_records():
-        assert database.workload_key(record.workload.mod) in {json.loads(line)[2] for line in
-                                                                (folder / database.RECORDS_FILE).read_text().splitlines()}
+        assert record_files.workload_key(record.workload.mod) in {json.loads(line)[2] for line in
+                                                                (folder / record_files.RECORDS_FILE).read_text().splitlines()}
     # A compact line whose IR is not the workload its hash names is refused.
     shutil.rmtree(folder)
     shutil.copytree(tuned / HOST, folder)
-    for name in (database.WORKLOADS_FILE, database.RECORDS_FILE):
+    for name in (record_files.WORKLOADS_FILE, record_files.RECORDS_FILE):
         (folder / name).unlink()
-    lines = gzip.decompress((folder / database.COMPACT_FILE).read_bytes()).decode().splitlines()
+    lines = gzip.decompress((folder / record_files.COMPACT_FILE).read_bytes()).decode().splitlines()
     first, second = json.loads(lines[0]), json.loads(lines[1])
     first["mod"] = second["mod"]
     lines[0] = json.dumps(first)
-    (folder / database.COMPACT_FILE).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    (folder / record_files.COMPACT_FILE).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
     warnings = []
     database.open_database(folder, warn=warnings.append)
     assert len(warnings) == 1 and "reads back as" in warnings[0] and "not its records" in warnings[0]
@@ -180,7 +180,7 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
     records = database.open_database(logs / "llvm-skylake-avx512")
     targets = {str(r.target.attrs["mcpu"]) + "/" + str(r.target.attrs["num-cores"]) for r in records.get_all_tuning_records()}
     assert targets == {f"skylake-avx512/{os.cpu_count()}"}
-    assert (logs / "llvm-skylake-avx512" / database.COMPACT_FILE).is_file()
+    assert (logs / "llvm-skylake-avx512" / record_files.COMPACT_FILE).is_file()
     nothing = tvmbert("tune", "bert-tiny", "--adapt", "--log-dir", str(tmp_path / "empty"))
     assert nothing.code == 2 and "holds no records for bert-tiny" in nothing.stderr
 

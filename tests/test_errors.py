@@ -6,15 +6,7 @@ import re
 
 import pytest
 
-
-def assert_one_line_error(outcome, *fragments, code=2):
-    assert outcome.code == code, (outcome.stdout, outcome.stderr)
-    lines = [line for line in outcome.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), outcome.stderr
-    assert "Traceback" not in outcome.stderr
-    assert len([line for line in lines if line.startswith("error: ")]) == 1
-    for fragment in fragments:
-        assert fragment in lines[-1], lines[-1]
+from helpers import assert_one_line_error
 
 
 def test_missing_directory(tvmbert, tmp_path):
@@ -106,9 +98,8 @@ def test_unknown_option_is_a_usage_error(tvmbert):
 
 @pytest.fixture(scope="module")
 def built_tiny(workdir):
-    from tvmbert import Job, JobConfig
+    from tvmbert import Job, JobConfig, build
     from tvmbert.deploy.compiled import CompiledModel
-    from tvmbert.stages import build
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir)))
     return CompiledModel(build(job), job), [t.numpy() for t in job.inputs.as_tuple()]

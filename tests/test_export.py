@@ -5,15 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import needs_amx
-from test_errors import assert_one_line_error
 
 from tvmbert import InputError, JobConfig, PackageError, load
 from tvmbert.core.families import PRESETS
@@ -21,27 +17,13 @@ from tvmbert.deploy.package import MANIFEST_FILE
 from tvmbert.frontend import models
 from tvmbert.stages.export import export
 
+from helpers import assert_one_line_error, run_without_torch
+
 REPO = Path(__file__).resolve().parents[1]
 MAX_LEN = 16
 
 # Run first in a fresh interpreter: torch, transformers and the toolchain's own dependencies
 # cannot be imported, as on a machine that has only TVM, NumPy and tokenizers.
-BLOCKER = """
-import sys
-class Blocked:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "transformers", "yaml", "click", "rich", "psutil", "onnxruntime"}:
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
-sys.meta_path.insert(0, Blocked())
-"""
-
-
-def run_without_torch(code: str, *args: str) -> None:
-    script = BLOCKER + code + "\nassert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
-    done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 @pytest.fixture(scope="session")
 def package(tmp_path_factory, workdir) -> Path:
     """bert-tiny in two buckets, 2x8 and 2x16: batches of 1 and 3 and every length 1..16 fit."""
@@ -308,7 +290,7 @@ def test_a_distilbert_token_tagger_exports_with_its_two_inputs_and_per_token_log
     assert not got[~real].any()  # zero after each row's last real token
 
 
-@needs_amx
+@pytest.mark.amx
 def test_a_bf16_package_on_amx_runs_where_torch_cannot_be_imported(tmp_path, workdir):
     """The loader asks the OS for AMX's tile state before the first AMX instruction (else SIGILL)."""
     import torch

@@ -4,22 +4,17 @@ PyTorch) and softmax's vectorized exp."""
 
 from __future__ import annotations
 
-import json
 import math
-import re
 
 import numpy as np
 import pytest
 
-from tvmbert.core import targets
 from tvmbert.kernels import fma
 
-HOST = targets.resolve("llvm").tvm_target()
-HOST_LANES = fma.lanes_of(HOST)
-needs_fma = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
+from helpers import HOST, HOST_LANES, build_meta, heap_buffers
 
 
-@needs_fma
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("lead, n, k", [
     ((16,), 96, 40),  # AVX-512: 2 row tiles x 2 panels of 3 vectors; K in blocks of 10; the next panel prefetched
@@ -53,7 +48,7 @@ def test_fma_kernel_matches_float64(lanes, lead, n, k, activation, residual):
     assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
-@needs_fma
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 def test_panel_major_output_holds_the_row_major_result(lanes):
     import tvm
@@ -74,16 +69,7 @@ def test_panel_major_output_holds_the_row_major_result(lanes):
     np.testing.assert_array_equal(results[1].transpose(1, 0, 2).reshape(*lead, n), results[0])
 
 
-def heap_buffers(library) -> list[str]:
-    """The buffers a compiled kernel takes from TVM's workspace pool (TVMBackendAllocWorkspace)
-    rather than the stack, from its LLVM IR."""
-    module = library.mod.imports[0] if library.mod.imports else library.mod
-    source = module.inspect_source("ll")
-    pointers = "|".join(re.findall(r"%(\w+) = load ptr, ptr @__TVMBackendAllocWorkspace", source))
-    return re.findall(rf"%(\w+) = (?:tail )?call ptr %(?:{pointers})\(", source) if pointers else []
-
-
-@needs_fma
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("n", [64, 96])  # AVX-512: 6 x 4 and 8 x 3 tiles, split in two stack buffers each
 def test_accumulators_stay_off_the_heap(lanes, n):
@@ -103,18 +89,12 @@ def test_tile_leaves_registers_for_the_weights_and_the_broadcast():
     assert fma.tile(24, 16) is None  # N not a multiple of the lanes: the matmul keeps its schedule
 
 
-def _build_meta(workdir, key: str) -> dict:
-    stage = workdir / "bert-tiny" / key / targets.resolve("llvm").key / "build" / "stage.json"
-    meta = json.loads(stage.read_text())
-    return meta.get("meta", meta)
-
-
-@needs_fma
+@pytest.mark.simd
 def test_compute_bound_matmuls_run_on_the_kernel(tvmbert, workdir):
     outcome = tvmbert("verify", "bert-tiny", "--seq-len", "64", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
-    meta = _build_meta(workdir, "b1-s64-float32")
+    meta = build_meta(workdir, "b1-s64-float32")
     # Q/K/V, attention output, FFN up and down (the pooler has one row: it keeps its schedule).
     assert len(meta["fma_kernels"]) == 4
     assert not any(name.startswith("fma_") for name in meta["schedules"])  # no task: nothing to tune
@@ -122,19 +102,19 @@ def test_compute_bound_matmuls_run_on_the_kernel(tvmbert, workdir):
     assert "fma-fp32" in optimized.json["passes"]
 
 
-@needs_fma
+@pytest.mark.simd
 def test_rows_that_are_no_multiple_of_the_tile_take_a_last_smaller_tile(tvmbert, workdir):
     # 3 x 13 = 39 rows: 6 tiles of 6 rows and one of 3 with AVX-512, nothing padded.
     outcome = tvmbert("verify", "bert-tiny", "--batch", "3", "--seq-len", "13", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
-    assert len(_build_meta(workdir, "b3-s13-float32")["fma_kernels"]) == 4
+    assert len(build_meta(workdir, "b3-s13-float32")["fma_kernels"]) == 4
 
 
-@needs_fma
+@pytest.mark.simd
 def test_few_rows_and_a_disabled_pass_keep_the_schedules(tvmbert, workdir):
     assert tvmbert("build", "bert-tiny").code == 0  # 1 x 14: bound by streaming the weights
-    assert "fma_kernels" not in _build_meta(workdir, "b1-s14-float32")
+    assert "fma_kernels" not in build_meta(workdir, "b1-s14-float32")
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "64", "--disable", "fma-fp32", "--json")
     assert outcome.code == 0, outcome.stderr
     assert "fma-fp32" not in outcome.json["passes"]

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_fma import heap_buffers
 
-from tvmbert.core import targets
-from tvmbert.kernels import fma, layer_norm
+from tvmbert.kernels import layer_norm
 
-HOST = targets.resolve("llvm").tvm_target()
-HOST_LANES = fma.lanes_of(HOST)
-needs_simd = pytest.mark.skipif(HOST_LANES == 0, reason="this CPU has neither AVX-512 nor AVX2 with FMA")
+from helpers import HOST, HOST_LANES, heap_buffers
 
 
-@needs_simd
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("lead, n", [((2, 7), 768), ((5,), 48), ((3,), 32), ((1,), 16)])
 @pytest.mark.parametrize("residual", [False, True])
@@ -38,7 +34,7 @@ def test_layer_norm_kernel_matches_float64(lanes, lead, n, residual):
     np.testing.assert_allclose(y.numpy(), expected, atol=1e-4)
 
 
-@needs_simd
+@pytest.mark.simd
 def test_per_row_buffers_stay_off_the_heap():
     """On the heap they were allocated and freed for every row (bert-base 8 x 128's norm with the
     residual add alone: 400 -> 325 µs)."""
@@ -54,7 +50,7 @@ def test_sizes_off_the_vector_lanes_keep_the_graph():
     assert not layer_norm.fits(24, 16) and not layer_norm.fits(768, 0)
 
 
-@needs_simd
+@pytest.mark.simd
 def test_bert_tiny_layer_norms_run_on_the_kernel(tvmbert):
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--json")
     assert outcome.code == 0, outcome.stderr

@@ -7,18 +7,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_attention import QKV_PANEL
-from test_errors import assert_one_line_error
-from test_export import run_without_torch
 
-from tvmbert import InputError, Job, JobConfig, load
-from tvmbert.core import targets
+from tvmbert import InputError, Job, JobConfig, build, load
 from tvmbert.deploy import packing
 from tvmbert.deploy.compiled import CompiledModel
 from tvmbert.frontend import models
-from tvmbert.kernels import fma
-from tvmbert.stages import build
 from tvmbert.stages.export import export
+
+from helpers import HOST_LANES, QKV_PANEL, assert_one_line_error, run_without_torch
 
 BATCH, SEQ_LEN, TOKENS = 4, 16, 32
 
@@ -61,7 +57,7 @@ def test_a_packed_build_equals_the_padded_pytorch_model_on_the_real_tokens(workd
     assert built.path.parts[-3] == f"b{BATCH}-s{SEQ_LEN}-t{TOKENS}-float32"
     assert [name for name in built.meta["packing"]] == ["batch", "seq_len", "tokens", "positions"]
     kernels = built.meta.get("attention_kernels", [])
-    if model == "bert-tiny" and fma.lanes_of(targets.resolve("llvm").tvm_target()):  # our kernel, packed rows, Q/K/V panels
+    if model == "bert-tiny" and HOST_LANES:  # our kernel, packed rows, Q/K/V panels
         assert kernels == [f"attention_{BATCH}x2x{SEQ_LEN}x64_masked_packed{TOKENS}_panels{QKV_PANEL}"], kernels
     compiled = CompiledModel(built, job)
     arrays = mixed_rows(len(job.source.inputs))

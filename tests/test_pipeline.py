@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import HOST_AMX, REPO
+
+from helpers import HOST_AMX, REPO
 
 
 def test_run_config_goes_through_every_stage_and_then_reuses_artifacts(tvmbert, tmp_path):
@@ -99,8 +100,7 @@ def test_bench_reports_both_engines(tvmbert):
 
 
 def test_python_api(workdir):
-    from tvmbert import Job, JobConfig
-    from tvmbert.stages import optimize
+    from tvmbert import Job, JobConfig, optimize
 
     artifact = optimize(Job(JobConfig(model="bert-tiny", workdir=str(workdir))))
     assert artifact.meta["ops_before"]["matmul"] == 17

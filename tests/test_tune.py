@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_TUNE, tune_in_background
 
 from tvmbert.ir.tasks import LAYOUT_FREE, Task, entry_module, extract_tasks, inference_module, marked_kernels
-from tvmbert.tuning import database
+from tvmbert.tuning import database, record_files
 from tvmbert.tuning.catalog import Catalog
 from tvmbert.tuning.search import plan
+
+from helpers import SMALL_TUNE, tune_in_background
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,7 @@ SMALL = SMALL_TUNE  # 12 non-trivial tasks in bert-tiny, 4 trials each
 
 def records_file(log_dir: Path) -> Path:
     (folder,) = [p for p in log_dir.iterdir() if p.is_dir()]
-    return folder / database.RECORDS_FILE
+    return folder / record_files.RECORDS_FILE
 
 
 def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
@@ -41,10 +42,9 @@ def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
 
 
 def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned, workdir):
-    from tvmbert import Job, JobConfig
+    from tvmbert import Job, JobConfig, optimize
     from tvmbert.deploy.weights import PARAMS_FILE, load_params
     from tvmbert.ir.files import load_module
-    from tvmbert.stages import optimize
 
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
     module = inference_module(load_module(optimize(job).path), job.target)
@@ -67,9 +67,8 @@ def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, work
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    from tvmbert import Job, JobConfig
+    from tvmbert import Job, JobConfig, optimize
     from tvmbert.ir.files import load_module
-    from tvmbert.stages import optimize
 
     shutil.copytree(tuned, tmp_path / "logs")
     job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))
@@ -126,7 +125,7 @@ def test_fresh_retune_of_selected_tasks_supersedes_their_old_records(tvmbert, tu
         assert records[task["name"]]["existing"] == (task["new_trials"] or task["existing"])
     untouched = [t for t in before["tasks"] if not t["name"].startswith("fused_matmul")]
     assert all(records[t["name"]]["existing"] == t["existing"] for t in untouched)
-    superseded = (records_file(log_dir).parent / database.SUPERSEDED_FILE).read_text().splitlines()
+    superseded = (records_file(log_dir).parent / record_files.SUPERSEDED_FILE).read_text().splitlines()
     assert len(superseded) == len(funded)
 
 

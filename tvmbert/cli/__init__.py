@@ -1,5 +1,6 @@
 """The `tvmbert` command: the group and the mapping of errors to one line and an exit code; the
-commands are in ``commands``, their human output in ``render``."""
+commands are in ``commands``, their human output in ``render``. The top layer: may import every
+other."""
 
 from __future__ import annotations
 

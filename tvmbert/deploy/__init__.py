@@ -1,1 +1,3 @@
-"""deploy"""
+"""What serves a built model, with NumPy and TVM's runtime only (never torch): the library loader
+(this CPU's instruction sets checked first), input checks, the weights' file format, token
+packing, an exported package (``tvmbert.load``) and a single build loaded. May import core."""

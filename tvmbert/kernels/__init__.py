@@ -1,5 +1,5 @@
 """Our hand-written TIR kernels, one file each (the kernel and what it needs to be built, no graph
-rewriting: the pass that calls each is in ``passes/``). May import ``core``.
+rewriting: the pass that calls each is in ``passes/``). May import core, deploy, frontend and ir.
 
 KERNELS is the table build reads: adding a kernel is its file here, its pass in ``passes/`` with
 an entry in ``passes/pipeline.PASSES``, and an entry below.

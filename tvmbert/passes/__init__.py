@@ -1,1 +1,3 @@
-"""passes"""
+"""The graph passes, one a file, and ``pipeline``: the one compile pipeline (its phases, the
+PASSES table optimize, build, tune and training read). May import core, deploy, frontend, ir and
+kernels."""

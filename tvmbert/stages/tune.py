@@ -21,7 +21,7 @@ from tvmbert.ir.files import load_module
 from tvmbert.ir.tasks import extract_tasks, inference_module, marked_kernels, without_marks
 from tvmbert.stages.job import Job
 from tvmbert.stages.optimize import optimize
-from tvmbert.tuning import database, measure
+from tvmbert.tuning import database, measure, record_files
 from tvmbert.tuning.catalog import Catalog
 from tvmbert.tuning.search import (
     Session,
@@ -104,7 +104,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
             existing = records.trials_spent(task.module)
             if task.trivial:
                 status = "trivial"
-            elif database.workload_key(task.module) in done and existing and not retune:
+            elif record_files.workload_key(task.module) in done and existing and not retune:
                 status = "done"
             else:
                 status = "todo"
@@ -189,6 +189,6 @@ def _result(job: Job, log_dir: Path, tasks, progress: list[TaskProgress], starte
 def _compact(job: Job, log_dir: Path) -> None:
     """Keeps the shipped file current with what this run measured."""
     summary = database.compact(log_dir, warn=lambda message: None)
-    job.say(f"tune: {summary['records']} best records of {summary['workloads']} workloads in {log_dir / database.COMPACT_FILE}")
+    job.say(f"tune: {summary['records']} best records of {summary['workloads']} workloads in {log_dir / record_files.COMPACT_FILE}")
 
 

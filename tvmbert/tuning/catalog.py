@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from tvmbert.ir.tasks import extract_tasks, marked_kernels, without_marks
-from tvmbert.tuning import database
+from tvmbert.tuning import database, record_files
 
 NATIVE = "native"
 DEFAULT = "default"
@@ -192,4 +192,4 @@ def measured_cores(record) -> int | None:
 
 
 def _holds_records(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in (database.COMPACT_FILE, database.RECORDS_FILE))
+    return any((folder / name).is_file() for name in (record_files.COMPACT_FILE, record_files.RECORDS_FILE))

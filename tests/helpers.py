@@ -1,0 +1,101 @@
+"""What several test modules share: the host's capabilities, the small tuning budget, and checks
+of a command's outcome, a kernel's code and a build's metadata. Test modules import this, never
+each other; conftest.py turns the hardware markers (simd, amx) into skips with the reason."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tvmbert.core import targets
+from tvmbert.kernels import fma
+from tvmbert.tuning import record_files
+
+REPO = Path(__file__).resolve().parents[1]
+HOST_TARGET = targets.resolve("llvm")
+HOST = HOST_TARGET.tvm_target()
+HOST_LANES = HOST_TARGET.fp32_lanes  # 16 with AVX-512, 8 with AVX2 and FMA, 0 without: our fp32 kernels' vectors
+
+
+def _host_has_amx() -> bool:
+    from tvmbert.deploy.loader import request_amx_permission
+
+    if not HOST_TARGET.has_amx_bf16:
+        return False
+    try:
+        request_amx_permission()
+    except OSError:
+        return False
+    return True
+
+
+HOST_AMX = _host_has_amx()  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
+# bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.
+QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0
+
+
+# 12 non-trivial tasks in bert-tiny, 4 trials each: every task gets a tuned schedule quickly.
+SMALL_TUNE = ("--trials", "48", "--trials-per-task", "4")
+
+
+def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, **popen):
+    """`tvmbert tune bert-tiny` in a process of its own (16 trials per task), returned once it has
+    appended ``records`` record lines, with the path of its records file."""
+    import time
+
+
+    command = [sys.executable, "-m", "tvmbert", "tune", "bert-tiny", "--trials", str(trials), "--trials-per-task", "16",
+               "--log-dir", str(log_dir), "--workdir", str(workdir)]
+    process = subprocess.Popen(command, **popen)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        files = list(log_dir.glob("*/" + record_files.RECORDS_FILE))
+        if files and files[0].read_text().count("\n") >= records:
+            return process, command, files[0]
+        time.sleep(0.5)
+    process.kill()
+    raise AssertionError(f"tune measured fewer than {records} records in 300 s")
+
+
+def assert_one_line_error(outcome, *fragments, code=2):
+    assert outcome.code == code, (outcome.stdout, outcome.stderr)
+    lines = [line for line in outcome.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), outcome.stderr
+    assert "Traceback" not in outcome.stderr
+    assert len([line for line in lines if line.startswith("error: ")]) == 1
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+
+
+BLOCKER = """
+import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "transformers", "yaml", "click", "rich", "psutil", "onnxruntime"}:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+sys.meta_path.insert(0, Blocked())
+"""
+
+
+def run_without_torch(code: str, *args: str) -> None:
+    script = BLOCKER + code + "\nassert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+    done = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def heap_buffers(library) -> list[str]:
+    """The buffers a compiled kernel takes from TVM's workspace pool (TVMBackendAllocWorkspace)
+    rather than the stack, from its LLVM IR."""
+    module = library.mod.imports[0] if library.mod.imports else library.mod
+    source = module.inspect_source("ll")
+    pointers = "|".join(re.findall(r"%(\w+) = load ptr, ptr @__TVMBackendAllocWorkspace", source))
+    return re.findall(rf"%(\w+) = (?:tail )?call ptr %(?:{pointers})\(", source) if pointers else []
+
+
+def build_meta(workdir, key: str) -> dict:
+    stage = workdir / "bert-tiny" / key / targets.resolve("llvm").key / "build" / "stage.json"
+    meta = json.loads(stage.read_text())
+    return meta.get("meta", meta)
