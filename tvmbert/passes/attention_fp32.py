@@ -20,37 +20,43 @@ class _Attention(NamedTuple):
     tokens: int | None  # the operands' rows, in a packed build
 
 
-def _find(flow, lanes: int) -> tuple[dict, dict]:
-    """The attentions the kernel computes in a function of dataflow ``flow``
-    (``ir/dataflow.dataflow``): the ``P V`` matmul's var -> _Attention, and the head-major
-    transposes of their results (var -> the ``P V`` var)."""
-    import numpy as np
-    import tvm
-    from tvm import relax
+class _Dataflow:
+    """What the matching asks of one function's dataflow (``ir/dataflow.dataflow``): ops, axes,
+    scalar constants, and where a head-major view's values live."""
 
-    from tvmbert.ir.dataflow import static_shape as shape_of
+    def __init__(self, flow):
+        self.bindings, self.values, _ = flow
 
-    bindings, values, _ = flow
+    def op_of(self, expr):
+        from tvm import relax
 
-    def op_of(expr):
-        value = values.get(expr, expr)
+        value = self.values.get(expr, expr)
         return getattr(getattr(value, "op", None), "name", None) if isinstance(value, relax.Call) else None
 
-    def axes(expr):
-        return [int(a) for a in values[expr].attrs.axes]
+    def axes(self, expr):
+        return [int(a) for a in self.values[expr].attrs.axes]
 
+    @staticmethod
     def scalar(expr):
+        import tvm
+
         if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1 and str(expr.value.dtype) == "float32":
             return float(expr.value.numpy().reshape(()))
         return None
 
-    def columns_of(view, rows: int, width: int):
+    def columns_of(self, view, rows: int, width: int):
         """(operand, columns, offset): the [rows, width] row-major view ``view`` (through any
         reshapes) is columns offset..offset+width of the operand's [rows, columns]."""
-        while op_of(view) == "relax.reshape":
+        import numpy as np
+        from tvm import relax
+
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        values = self.values
+        while self.op_of(view) == "relax.reshape":
             view = values[view].args[0]
         value = values.get(view)
-        if isinstance(value, relax.TupleGetItem) and op_of(value.tuple_value) == "relax.split":
+        if isinstance(value, relax.TupleGetItem) and self.op_of(value.tuple_value) == "relax.split":
             split = values[value.tuple_value]
             source, shape = split.args[0], shape_of(split.args[0])
             if shape and int(split.attrs.axis) % len(shape) == len(shape) - 1 and np.prod(shape) == rows * shape[-1]:
@@ -64,89 +70,113 @@ def _find(flow, lanes: int) -> tuple[dict, dict]:
         shape = shape_of(view)
         return (view, width, 0) if shape and np.prod(shape) == rows * width else None
 
-    def heads_of(expr, transposed: bool):
+    def heads_of(self, expr, transposed: bool):
         """(operand, columns, offset, rows, tokens) of a [B, H, S, D] (or, transposed,
         [B, H, D, S]) head-major view of a [B * S, H * D] row-major tensor's columns (rows None),
         or of a packed build's gather of one ([H, T, D] rows ``rows`` of a [T, H * D] tensor's
         columns, made [B, H, S, D]: packing.py's attention)."""
-        if op_of(expr) != "relax.permute_dims":
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        values = self.values
+        if self.op_of(expr) != "relax.permute_dims":
             return None
-        if transposed and axes(expr) == [0, 1, 3, 2]:
+        if transposed and self.axes(expr) == [0, 1, 3, 2]:
             expr, transposed = values[expr].args[0], False
-            if op_of(expr) != "relax.permute_dims":
+            if self.op_of(expr) != "relax.permute_dims":
                 return None
-        if not transposed and axes(expr) == [1, 0, 2, 3]:
-            return gathered_heads(values[expr].args[0])
+        if not transposed and self.axes(expr) == [1, 0, 2, 3]:
+            return self.gathered_heads(values[expr].args[0])
         source = values[expr].args[0]
         shape = shape_of(source)
-        if axes(expr) != ([0, 2, 3, 1] if transposed else [0, 2, 1, 3]) or shape is None or len(shape) != 4:
+        if self.axes(expr) != ([0, 2, 3, 1] if transposed else [0, 2, 1, 3]) or shape is None or len(shape) != 4:
             return None
         batch, seq, heads, dim = shape
-        columns = columns_of(source, batch * seq, heads * dim)
+        columns = self.columns_of(source, batch * seq, heads * dim)
         return None if columns is None else (*columns, None, None)
 
-    def gathered_heads(view):
+    def gathered_heads(self, view):
         """The packed build's ``reshape(take(take(X, 0, axis=0), rows, axis=1), [H, B, S, D])``
         of a [1, H, T, D] head-major view X."""
-        while op_of(view) == "relax.reshape":
+        import tvm
+
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        values = self.values
+        while self.op_of(view) == "relax.reshape":
             view = values[view].args[0]
-        if op_of(view) != "relax.take" or int(values[view].attrs.axis) != 1:
+        if self.op_of(view) != "relax.take" or int(values[view].attrs.axis) != 1:
             return None
         per_head, rows = values[view].args
-        if op_of(per_head) != "relax.take" or int(values[per_head].attrs.axis) != 0:
+        if self.op_of(per_head) != "relax.take" or int(values[per_head].attrs.axis) != 0:
             return None
         heads_view, first = values[per_head].args
         if not isinstance(first, tvm.ir.expr.Constant) or first.value.numpy().size != 1 or int(first.value.numpy()) != 0:
             return None
-        found = heads_of(heads_view, False)
+        found = self.heads_of(heads_view, False)
         if found is None or found[3] is not None or shape_of(heads_view)[0] != 1 or rows.ty.dtype != "int64":
             return None
         tokens = shape_of(heads_view)[2]
         return (*found[:3], rows, tokens)
 
-    found, outputs = {}, {}
-    for binding in bindings:
-        if op_of(binding.value) != "relax.matmul" or binding.value.ty.dtype != "float32":
-            continue
-        probabilities, v = binding.value.args
-        shape = shape_of(binding.var)
-        if shape is None or len(shape) != 4 or op_of(probabilities) != "relax.nn.softmax":
-            continue
-        batch, heads, seq, dim = shape
-        softmax = values[probabilities]
-        if int(softmax.attrs.axis) % 4 != 3 or not fits(seq, dim, lanes):
-            continue
-        scores, scale, mask = softmax.args[0], None, None
-        if op_of(scores) == "relax.add":
-            for summand, other in (values[scores].args, values[scores].args[::-1]):
-                other_shape = shape_of(other)
-                if (op_of(summand) in ("relax.multiply", "relax.divide", "relax.matmul") and other.ty.dtype == "float32"
-                        and other_shape and len(other_shape) == 4 and other_shape[3] == seq
-                        and all(o in (1, f) for o, f in zip(other_shape[:3], (batch, heads, seq)))):
-                    scores, mask = summand, other
-                    break
-            else:
-                continue
-        if op_of(scores) in ("relax.multiply", "relax.divide"):
-            left, right = values[scores].args
-            factor = scalar(right) if scalar(right) is not None else (scalar(left) if op_of(scores) == "relax.multiply" else None)
-            if factor is None:
-                continue
-            scale = factor if op_of(scores) == "relax.multiply" else 1.0 / factor
-            scores = left if scalar(right) is not None else right
-        if op_of(scores) != "relax.matmul" or shape_of(scores) != (batch, heads, seq, seq):
-            continue
-        q, kt = values[scores].args
-        sources = (heads_of(q, False), heads_of(kt, True), heads_of(v, False))
-        if any(s is None for s in sources) or any(s[0].ty.dtype != "float32" for s in sources):
-            continue
-        rows = {s[3] for s in sources}
-        if len(rows) != 1 or (None not in rows and shape_of(sources[0][3]) != (batch * seq,)):
-            continue  # Q, K and V gathered alike, or not at all
-        found[binding.var] = _Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4])
-    for binding in bindings:
-        if op_of(binding.value) == "relax.permute_dims" and binding.value.args[0] in found and axes(binding.var) == [0, 2, 1, 3]:
-            outputs[binding.var] = binding.value.args[0]
+
+def _attention_at(graph: _Dataflow, binding, lanes: int) -> _Attention | None:
+    """The attention whose ``P V`` matmul ``binding`` is, if the kernel computes it."""
+    from tvmbert.ir.dataflow import static_shape as shape_of
+
+    op_of, values = graph.op_of, graph.values
+    if op_of(binding.value) != "relax.matmul" or binding.value.ty.dtype != "float32":
+        return None
+    probabilities, v = binding.value.args
+    shape = shape_of(binding.var)
+    if shape is None or len(shape) != 4 or op_of(probabilities) != "relax.nn.softmax":
+        return None
+    batch, heads, seq, dim = shape
+    softmax = values[probabilities]
+    if int(softmax.attrs.axis) % 4 != 3 or not fits(seq, dim, lanes):
+        return None
+    scores, scale, mask = softmax.args[0], None, None
+    if op_of(scores) == "relax.add":
+        for summand, other in (values[scores].args, values[scores].args[::-1]):
+            other_shape = shape_of(other)
+            if (op_of(summand) in ("relax.multiply", "relax.divide", "relax.matmul") and other.ty.dtype == "float32"
+                    and other_shape and len(other_shape) == 4 and other_shape[3] == seq
+                    and all(o in (1, f) for o, f in zip(other_shape[:3], (batch, heads, seq)))):
+                scores, mask = summand, other
+                break
+        else:
+            return None
+    if op_of(scores) in ("relax.multiply", "relax.divide"):
+        left, right = values[scores].args
+        scalar = graph.scalar
+        factor = scalar(right) if scalar(right) is not None else (scalar(left) if op_of(scores) == "relax.multiply" else None)
+        if factor is None:
+            return None
+        scale = factor if op_of(scores) == "relax.multiply" else 1.0 / factor
+        scores = left if scalar(right) is not None else right
+    if op_of(scores) != "relax.matmul" or shape_of(scores) != (batch, heads, seq, seq):
+        return None
+    q, kt = values[scores].args
+    sources = (graph.heads_of(q, False), graph.heads_of(kt, True), graph.heads_of(v, False))
+    if any(s is None for s in sources) or any(s[0].ty.dtype != "float32" for s in sources):
+        return None
+    rows = {s[3] for s in sources}
+    if len(rows) != 1 or (None not in rows and shape_of(sources[0][3]) != (batch * seq,)):
+        return None  # Q, K and V gathered alike, or not at all
+    return _Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4])
+
+
+def _find(flow, lanes: int) -> tuple[dict, dict]:
+    """The attentions the kernel computes in a function of dataflow ``flow``
+    (``ir/dataflow.dataflow``): the ``P V`` matmul's var -> _Attention, and the head-major
+    transposes of their results (var -> the ``P V`` var)."""
+    graph = _Dataflow(flow)
+    found = {}
+    for binding in graph.bindings:
+        if (attention := _attention_at(graph, binding, lanes)) is not None:
+            found[binding.var] = attention
+    outputs = {binding.var: binding.value.args[0] for binding in graph.bindings
+               if graph.op_of(binding.value) == "relax.permute_dims" and binding.value.args[0] in found
+               and graph.axes(binding.var) == [0, 2, 1, 3]}
     return found, outputs
 
 
