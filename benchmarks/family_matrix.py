@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from tvmbert import Job, JobConfig, verify
-from tvmbert.families import FAMILIES, TASKS
+from tvmbert.core.families import FAMILIES, TASKS
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)

@@ -27,23 +27,25 @@ def main() -> None:
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
-    from tvmbert import Job, JobConfig, optimize, tuning_db
-    from tvmbert.bench.timing import set_threads
-    from tvmbert.catalog import Catalog
-    from tvmbert.ir_io import load_module
-    from tvmbert.targets import cpu_count
+    from tvmbert import Job, JobConfig, optimize
+    from tvmbert.core.targets import cpu_count
+    from tvmbert.ir.files import load_module
+    from tvmbert.ir.tasks import extract_tasks, inference_module
+    from tvmbert.stages.bench.timing import set_threads
+    from tvmbert.tuning import database
+    from tvmbert.tuning.catalog import Catalog
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, dtype=args.dtype))
-    database = tuning_db.open_database(job.log_dir())
-    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    records_db = database.open_database(job.log_dir())
+    module = inference_module(load_module(optimize(job).path), job.target)
     module = Catalog(job.log_dir(), job.target.key, warn=print).prefer_measured_layouts(module, job.target)  # as build does
-    tasks = [t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial]
+    tasks = [t for t in extract_tasks(module, job.target) if not t.trivial]
     target = job.target.tvm_target()
     set_threads(cpu_count())
     device = tvm.cpu()
     rows = []
     for task in sorted(tasks, key=lambda t: -t.cost):
-        records = tuning_db.valid_records(database, task.module)
+        records = database.valid_records(records_db, task.module)
         schedule = tvm.s_tir.Schedule(task.module)
         if records:
             records[0].trace.apply_to_schedule(schedule, remove_postproc=False)

@@ -21,18 +21,19 @@ def main() -> None:
 
     import tvm
 
-    from tvmbert import Job, JobConfig, optimize, tuning_db
-    from tvmbert.catalog import Catalog
-    from tvmbert.ir_io import load_module
+    from tvmbert import Job, JobConfig, optimize
+    from tvmbert.ir.files import load_module
+    from tvmbert.ir.tasks import extract_tasks, inference_module
+    from tvmbert.tuning.catalog import Catalog
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, target=args.target, log_dir=args.log_dir))
     catalog = Catalog(job.log_dir(), job.target.key, warn=print, cores=job.target.config.get("num-cores"))
-    module = tuning_db.inference_module(load_module(optimize(job).path), job.target)
+    module = inference_module(load_module(optimize(job).path), job.target)
     module = catalog.prefer_measured_layouts(module, job.target)  # as build does
     print(f"{args.model} 1 x {args.seq_len}, {job.target.key}: the records a build applies")
     print("| kernel | calls | source | parallel loop extents | measured on cores |")
     print("| --- | --- | --- | --- | --- |")
-    for task in sorted((t for t in tuning_db.extract_tasks(module, job.target) if not t.trivial), key=lambda t: -t.cost):
+    for task in sorted((t for t in extract_tasks(module, job.target) if not t.trivial), key=lambda t: -t.cost):
         source = catalog.nearest([task.module])
         if source is None:
             print(f"| {task.name} | {task.weight} | default | - | - |")

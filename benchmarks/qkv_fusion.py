@@ -14,11 +14,11 @@ import sys
 from dataclasses import replace
 
 from tvmbert import Job, JobConfig, build
-from tvmbert.bench.engines import Engine
-from tvmbert.bench.timing import _summary, measure, set_threads
-from tvmbert.passes import DEFAULT_PASSES
-from tvmbert.runtime import CompiledModel
-from tvmbert.targets import cpu_count
+from tvmbert.core.targets import cpu_count
+from tvmbert.deploy.compiled import CompiledModel
+from tvmbert.passes.pipeline import DEFAULT_PASSES
+from tvmbert.stages.bench.engines import Engine
+from tvmbert.stages.bench.timing import _summary, measure, set_threads
 
 
 def engine(name: str, job: Job) -> tuple[Engine, dict]:
@@ -45,7 +45,7 @@ def main() -> None:
         builds[name] = {"tasks_total": meta["tasks_total"], "tasks_tuned": meta["tasks_tuned"]}
     import torch
 
-    from tvmbert import models
+    from tvmbert.frontend import models
 
     job = Job(fused)
     reference = models.load(job.source)

@@ -29,9 +29,9 @@ def main() -> None:
     import tvm
     from tvm import te
 
-    from tvmbert import targets
-    from tvmbert.bench.timing import set_threads
-    from tvmbert.targets import cpu_count
+    from tvmbert.core import targets
+    from tvmbert.core.targets import cpu_count
+    from tvmbert.stages.bench.timing import set_threads
 
     set_threads(cpu_count())
     columns = 3072
