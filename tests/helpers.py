@@ -32,6 +32,19 @@ def _host_has_amx() -> bool:
     return True
 
 
+def _first_cpu(candidates, runnable: bool) -> str | None:
+    """The first LLVM CPU of ``candidates``, other than this one, whose code this host can (or cannot) run."""
+    for cpu in candidates:
+        config = {"kind": "llvm", "mcpu": cpu}
+        if f"llvm-{cpu}" != HOST_TARGET.key and bool(targets.missing_host_features(config)) != runnable:
+            return cpu
+    return None
+
+
+# A CPU this host runs code for, whose records and builds live under another key.
+OTHER_CPU = _first_cpu(("skylake-avx512", "haswell", "x86-64-v3"), runnable=True)
+# A CPU with an instruction set this host lacks: code for it is only ever compiled here, never run.
+UNRUNNABLE_CPU = _first_cpu(("sapphirerapids", "znver5", "skylake-avx512"), runnable=False)
 HOST_AMX = _host_has_amx()  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
 # bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.
 QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0

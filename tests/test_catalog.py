@@ -17,11 +17,11 @@ from tvmbert.ir.tasks import extract_tasks, inference_module
 from tvmbert.tuning import catalog, database, record_files
 from tvmbert.tuning.catalog import Catalog
 
-from helpers import SMALL_TUNE, tune_in_background
+from helpers import OTHER_CPU, SMALL_TUNE, tune_in_background
 
 HOST = resolve("llvm").key
 # A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
-OTHER_TARGET = "llvm -mcpu=skylake-avx512"
+OTHER_TARGET = f"llvm -mcpu={OTHER_CPU}"
 SMALL = SMALL_TUNE  # 12 non-trivial tasks in bert-tiny, 4 trials each
 
 
@@ -172,15 +172,15 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
     adapted = tvmbert("tune", "bert-tiny", "--target", OTHER_TARGET, "--adapt", "--trials", "16",
                       "--log-dir", str(logs), "--json")
     assert adapted.code == 0, adapted.stderr
-    assert adapted.json["target"] == "llvm-skylake-avx512" and adapted.json["new_trials"] > 12
+    assert adapted.json["target"] == f"llvm-{OTHER_CPU}" and adapted.json["new_trials"] > 12
     assert "ETA" in adapted.stderr
     built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
     assert built.code == 0 and set(built.json["schedules"].values()) == {"native"}
     # Measured here, at this machine's core count.
-    records = database.open_database(logs / "llvm-skylake-avx512")
+    records = database.open_database(logs / f"llvm-{OTHER_CPU}")
     targets = {str(r.target.attrs["mcpu"]) + "/" + str(r.target.attrs["num-cores"]) for r in records.get_all_tuning_records()}
-    assert targets == {f"skylake-avx512/{os.cpu_count()}"}
-    assert (logs / "llvm-skylake-avx512" / record_files.COMPACT_FILE).is_file()
+    assert targets == {f"{OTHER_CPU}/{os.cpu_count()}"}
+    assert (logs / f"llvm-{OTHER_CPU}" / record_files.COMPACT_FILE).is_file()
     nothing = tvmbert("tune", "bert-tiny", "--adapt", "--log-dir", str(tmp_path / "empty"))
     assert nothing.code == 2 and "holds no records for bert-tiny" in nothing.stderr
 

@@ -17,7 +17,7 @@ from tvmbert.deploy.package import MANIFEST_FILE
 from tvmbert.frontend import models
 from tvmbert.stages.export import export
 
-from helpers import assert_one_line_error, run_without_torch
+from helpers import UNRUNNABLE_CPU, assert_one_line_error, run_without_torch
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_LEN = 16
@@ -152,6 +152,29 @@ def test_an_altered_or_missing_file_fails_the_checksum(package, tmp_path):
         load(copy)
     with pytest.raises(PackageError, match="not a tvmbert package"):
         load(tmp_path)
+
+
+@pytest.mark.skipif(UNRUNNABLE_CPU is None, reason="no CPU LLVM knows has an instruction set this one lacks")
+def test_a_fleet_package_runs_the_build_this_cpu_can_and_refuses_one_it_cannot(package, model, workdir, tmp_path):
+    fleet = tmp_path / "fleet"
+    manifest = export(JobConfig(model="bert-tiny", workdir=str(workdir)), fleet, batches=(2,), seq_lens=(8,),
+                      cpus=(UNRUNNABLE_CPU, "x86-64-v3", "llvm-x86-64-v3"))
+    assert manifest["format"] == 3 and [v["target_key"] for v in manifest["variants"]] == [f"llvm-{UNRUNNABLE_CPU}", "llvm-x86-64-v3"]
+    unrunnable, avx2 = manifest["variants"]
+    assert "cost_ms" in avx2["buckets"][0] and unrunnable["buckets"][0]["cost_ms"] == avx2["buckets"][0]["cost_ms"]
+    # Weights stored once where the builds share a layout: the embeddings and layer norms at least.
+    shared = set(unrunnable["buckets"][0]["weights"]) & set(avx2["buckets"][0]["weights"])
+    assert shared and len(manifest["weights"]) < 2 * len(avx2["buckets"][0]["weights"])
+    said = []
+    served = load(fleet, warn=said.append)
+    assert served.variant["target_key"] == "llvm-x86-64-v3" and len(said) == 1 and "llvm-x86-64-v3" in said[0]
+    ids = np.random.default_rng(0).integers(1000, 30000, (2, 8))
+    for name, values in served.run(ids).items():
+        np.testing.assert_allclose(values, model.run(ids)[name], atol=1e-4)
+    alone = tmp_path / "alone"
+    export(JobConfig(model="bert-tiny", workdir=str(workdir)), alone, batches=(2,), seq_lens=(8,), cpus=(UNRUNNABLE_CPU,))
+    with pytest.raises(PackageError, match="lacks instruction sets"):
+        load(alone)
 
 
 def test_a_package_built_for_another_cpu_says_so_naming_both(package, tmp_path, model):

@@ -7,6 +7,8 @@ import pytest
 from tvmbert.core import targets
 from tvmbert.core.errors import InputError
 
+from helpers import UNRUNNABLE_CPU, assert_one_line_error
+
 
 def test_llvm_gets_a_valid_host_cpu():
     spec = targets.resolve("llvm")
@@ -61,3 +63,21 @@ def test_gpu_cross_compile_carries_device_code(tvmbert, target, kind):
     assert modules[0]["source_bytes"] > 10_000
     if kind == "hip":
         assert modules[0]["isa"].endswith("gfx906") and modules[0]["assembly_bytes"] > 10_000
+
+
+@pytest.mark.skipif(UNRUNNABLE_CPU is None, reason="no CPU LLVM knows has an instruction set this one lacks")
+def test_code_for_a_cpu_this_one_lacks_is_compiled_but_never_run(tvmbert):
+    """verify (and bench, add_tvm_dispatch, the runtime) would die on SIGILL at the library's first
+    call: it is one line, exit 2, naming what this CPU lacks."""
+    target = f"llvm -mcpu={UNRUNNABLE_CPU}"
+    built = tvmbert("build", "bert-tiny", "--target", target, "--json")
+    assert built.code == 0, built.stderr
+    missing = targets.missing_host_features(built.json["target"])
+    assert missing
+    assert_one_line_error(tvmbert("verify", "bert-tiny", "--target", target), "illegal instruction", missing[0], "--target llvm")
+    import torch
+
+    from tvmbert import InputError, add_tvm_dispatch
+
+    with pytest.raises(InputError, match="illegal instruction"):
+        add_tvm_dispatch(torch.nn.Linear(4, 4), torch.ones(2, 4), target=target)

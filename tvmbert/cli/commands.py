@@ -295,14 +295,18 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
 @click.option("-o", "--output", "out_dir", type=click.Path(), help="The package folder (replaced whole if it is one).")
 @click.option("--packed", is_flag=True, default=None, help="Also packed buckets for batches > 1: a batch of mixed lengths runs "
               "its real tokens only.")
+@click.option("--cpus", help="A build per CPU in one package, the loader running the fastest one its machine can: "
+              "native (the target) and LLVM CPU names or keys, e.g. native,x86-64-v3.")
 @_quiet_warnings
-def export(as_json, out_dir, packed, **params):
+def export(as_json, out_dir, packed, cpus, **params):
     """Build every (batch, seq-len) bucket and write one package that tvmbert.load serves."""
     from tvmbert.stages.export import export as run
 
     batches = _numbers(params["batch"], "--batch", many=True)
     seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
-    manifest = run(_job(params, {"export.out_dir": out_dir, "export.packed": packed}, sweep=True), out_dir, batches, seq_lens)
+    cpu_list = tuple(c.strip() for c in cpus.split(",") if c.strip()) if cpus is not None else None
+    job = _job(params, {"export.out_dir": out_dir, "export.packed": packed, "export.cpus": cpu_list}, sweep=True)
+    manifest = run(job, out_dir, batches, seq_lens)
     _emit(as_json, manifest, render.export)
 
 

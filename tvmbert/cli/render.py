@@ -121,15 +121,18 @@ def bench(report):
 
 
 def export(manifest):
-    table = Table(title=f"{manifest['model']['name']} package, {manifest['dtype']}, {manifest['target_key']}")
-    for column in ("bucket", "tasks tuned", "build s", "median ms"):
-        table.add_column(column, justify="left" if column == "bucket" else "right")
-    for b in manifest["buckets"]:
-        table.add_row(f"{b['batch']}x{b['seq_len']}" + (f", {b['tokens']} tokens" if b.get("tokens") else ""),
-                      f"{b['tasks_tuned']}/{b['tasks_total']}",
-                      f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
-                      f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
-    out.print(table)
+    from tvmbert.deploy.package import variants_of
+
+    for variant in variants_of(manifest):
+        table = Table(title=f"{manifest['model']['name']} package, {manifest['dtype']}, {variant['target_key']}")
+        for column in ("bucket", "tasks tuned", "build s", "median ms"):
+            table.add_column(column, justify="left" if column == "bucket" else "right")
+        for b in variant["buckets"]:
+            table.add_row(f"{b['batch']}x{b['seq_len']}" + (f", {b['tokens']} tokens" if b.get("tokens") else ""),
+                          f"{b['tasks_tuned']}/{b['tasks_total']}",
+                          f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
+                          f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
+        out.print(table)
     report = manifest["report"]
     out.print(f"export: {report['path']}: {report['package_bytes'] / 1e6:.1f} MB (weights stored "
               f"{report['stored_weight_bytes'] / 1e6:.1f} MB for {report['weight_bytes'] / 1e6:.1f} MB of model weights, "

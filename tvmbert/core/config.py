@@ -69,6 +69,7 @@ class ExportOptions:
     batches: tuple[int, ...] | None = None  # default: export.DEFAULT_BATCHES
     seq_lens: tuple[int, ...] | None = None  # default: export.DEFAULT_SEQ_LENS up to the model's max positions
     packed: bool = False  # also packed buckets (export.PACKED_FILLS of the tokens) for every batch > 1
+    cpus: tuple[str, ...] | None = None  # a build per CPU (native, LLVM CPU names or keys); default: the target alone
 
     def validate(self, where: str) -> None:
         _require(all(b >= 1 for b in self.batches or ()), where, "export.batches", "numbers >= 1")

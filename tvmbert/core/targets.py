@@ -143,13 +143,14 @@ def use_every_core() -> None:
 
 # x86 instruction sets LLVM may emit anywhere in code for a target that enables them (it
 # vectorizes with what it is given), and the flag /proc/cpuinfo shows for each: what a library
-# needs of the CPU that runs it.
+# needs of the CPU that runs it. AMX is not here: LLVM never emits it on its own, and a library
+# with our AMX kernels asks the kernel for it before it loads (deploy/loader.py).
 INSTRUCTION_SETS = {
     "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2",
     "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512cd": "avx512cd",
     "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "avx512vbmi": "avx512vbmi",
-    "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma", "avxvnni": "avx_vnni", "amx-tile": "amx_tile",
-    "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
+    "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma", "avx512vp2intersect": "avx512_vp2intersect",
+    "avxvnni": "avx_vnni",
 }
 
 
@@ -197,11 +198,23 @@ def missing_host_features(config: dict) -> list[str]:
     if config.get("kind") != "llvm" or not flags or platform.machine() not in ("x86_64", "AMD64") \
             or not triple.startswith("x86_64"):
         return []
+    return sorted(name for name in compiled_instruction_sets(config) if INSTRUCTION_SETS[name] not in flags)
+
+
+def compiled_instruction_sets(config: dict) -> frozenset[str]:
+    """The checked instruction sets (INSTRUCTION_SETS) code compiled for an llvm target may use."""
+    return _compiled_instruction_sets(json.dumps(config, sort_keys=True))
+
+
+@lru_cache(maxsize=64)
+def _compiled_instruction_sets(config_json: str) -> frozenset[str]:
     import tvm
     from tvm.target import codegen
 
-    compiled = {str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))}
-    return sorted(name for name in compiled if name in INSTRUCTION_SETS and INSTRUCTION_SETS[name] not in flags)
+    config = json.loads(config_json)
+    if config.get("kind") != "llvm":
+        return frozenset()
+    return frozenset(str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))) & INSTRUCTION_SETS.keys()
 
 
 def _legacy_options(text: str) -> tuple[str, dict]:

@@ -17,14 +17,15 @@ from tvmbert.core.errors import InputError
 LIBRARY_FILE = "model.so"  # build: the compiled library
 
 
-def check_cpu(path: Path, target_config: dict, error: type[InputError] = InputError) -> None:
-    """Refuses, with ``error``, code compiled for instruction sets this CPU lacks: its first call
-    would kill the process (SIGILL), not raise."""
+def check_cpu(what, target_config: dict, error: type[InputError] = InputError) -> None:
+    """Refuses, with ``error``, code compiled for instruction sets this CPU lacks (``what``: the
+    library or the caller, as the message names it): its first call would kill the process
+    (SIGILL), not raise."""
     missing = targets.missing_host_features(target_config)
     if missing:
-        raise error(f"{path} was compiled for '{targets.describe_config(target_config)}', whose code uses "
-                    f"{', '.join(missing)}, and this CPU ({targets.host_mcpu()}) lacks {'it' if len(missing) == 1 else 'them'}: "
-                    f"running it would kill the process (illegal instruction). Build for this CPU (--target llvm)")
+        raise error(f"{what}: code for '{targets.describe_config(target_config)}' uses {', '.join(missing)}, and this CPU "
+                    f"({targets.host_mcpu()}) lacks {'it' if len(missing) == 1 else 'them'}: running it would kill the process "
+                    f"(illegal instruction). Build for this CPU (--target llvm), or for one it has every instruction set of")
 
 
 def load_library(path: Path, target_config: dict, amx: bool = False, error: type[InputError] = InputError):

@@ -24,12 +24,14 @@ from tvmbert.core import targets
 from tvmbert.core.errors import InputError, PackageError
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT, as_integers, check_range, is_torch
-from tvmbert.deploy.loader import check_cpu, load_library
+from tvmbert.deploy.loader import load_library
 from tvmbert.deploy.weights import from_bits
 
 MANIFEST_FILE = "manifest.json"
 FORMAT = 1  # bump when the package layout changes meaning
 PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would run them as padded ones
+VARIANTS_FORMAT = 3  # a fleet package: a build per CPU, the loader picks one ("variants")
+FORMATS = (FORMAT, PACKED_FORMAT, VARIANTS_FORMAT)
 
 
 def sha256(path: Path) -> str:
@@ -67,27 +69,28 @@ class ExportedModel:
     on 2 cores took 1.5x as long with per-thread VMs instead (bert-tiny; 1.05x for MiniLM-L6):
     they compete for the cores. The cost of the lock: a short call may wait for a long one in flight."""
 
-    def __init__(self, path: str | Path, device=None, warn=None):
+    def __init__(self, path: str | Path, device=None, warn=None, variant: str | None = None):
         import tvm
         from tvm import relax
 
         self.path = Path(path)
         self.manifest = _read_manifest(self.path)
         _verify_files(self.path, self.manifest["files"])
-        self._check_machine(warn or (lambda message: warnings.warn(message, stacklevel=3)))
-        self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[self.manifest["target"]["kind"]](0)
+        self.variant = self._choose_variant(warn or (lambda message: warnings.warn(message, stacklevel=3)), variant)
+        target = self.variant["target"]
+        self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[target["kind"]](0)
         self.inputs = self.manifest["inputs"]  # [{name, limit, pad}], in the order main takes them
         self.outputs = self.manifest["outputs"]  # [{name, per_token}]
         self.input_names = tuple(i["name"] for i in self.inputs)
         self.output_names = tuple(o["name"] for o in self.outputs)
         self.buckets = _monotone([Bucket(b["batch"], b["seq_len"], b["library"], tuple(b["weights"]), b.get("cost_ms") or
                                          float(b.get("tokens") or b["batch"] * b["seq_len"]), b.get("tokens"))
-                                  for b in self.manifest["buckets"]])
+                                  for b in self.variant["buckets"]])
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq_len = max(b.seq_len for b in self.buckets)
-        amx = bool(self.manifest.get("amx_kernels"))
-        self._mains = [relax.VirtualMachine(load_library(self.path / b.library, self.manifest["target"], amx, PackageError),
-                                            self.device)["main"] for b in self.buckets]
+        amx = bool(self.variant.get("amx_kernels"))
+        self._mains = [relax.VirtualMachine(load_library(self.path / b.library, target, amx, PackageError), self.device)["main"]
+                       for b in self.buckets]
         self._weights = self._load_weights()
         self._lock = threading.Lock()
         self._tokenizer = None
@@ -95,20 +98,34 @@ class ExportedModel:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def _check_machine(self, warn) -> None:
-        """A package runs where it was built: another CPU may lack the instructions its kernels
-        use (or run them at another speed), another GPU architecture not run them at all."""
-        target = self.manifest["target"]
+    def _choose_variant(self, warn, wanted: str | None) -> dict:
+        """The build this machine runs fastest: its own CPU's, else the one using the most of the
+        instruction sets this CPU has. Another CPU may lack the instructions a variant uses (its
+        code would die on SIGILL), another GPU architecture not run it at all: such variants are
+        passed over, and a package with none left is refused."""
+        variants = variants_of(self.manifest)
+        kind = variants[0]["target"]["kind"]
         try:
-            here = targets.resolve(target["kind"])
+            here = targets.resolve(kind)
         except InputError as exc:
-            raise PackageError(f"{self.path}: built for {self.manifest['target_key']}, which this machine cannot run: {exc}") from None
-        if target["kind"] != "llvm" and not here.device_present():
-            raise PackageError(f"{self.path}: built for {self.manifest['target_key']}, and this machine has no {target['kind']} device")
-        check_cpu(self.path, target, PackageError)
-        if here.key != self.manifest["target_key"]:
-            warn(f"{self.path} was built for {self.manifest['target_key']} and this machine is {here.key}: it runs (this CPU "
-                 f"has every instruction set its code uses), maybe slower; export it on this machine for its own kernels")
+            raise PackageError(f"{self.path}: built for {_keys(variants)}, which this machine cannot run: {exc}") from None
+        if kind != "llvm" and not here.device_present():
+            raise PackageError(f"{self.path}: built for {_keys(variants)}, and this machine has no {kind} device")
+        if wanted is not None:
+            variants = [v for v in variants if v["target_key"] == wanted]
+            if not variants:
+                raise PackageError(f"{self.path} has no build for {wanted}: it has {_keys(variants_of(self.manifest))}")
+        runnable = [v for v in variants if not targets.missing_host_features(v["target"])]
+        if not runnable:
+            missing = "; ".join(f"{v['target_key']}: {', '.join(targets.missing_host_features(v['target']))}" for v in variants)
+            raise PackageError(f"{self.path} holds builds for {_keys(variants)} only, and this CPU ({here.key}) lacks instruction "
+                               f"sets each uses ({missing}): running one would kill the process. Export it with a variant for "
+                               f"this CPU (tvmbert export --cpus native,...)")
+        chosen = max(runnable, key=lambda v: (v["target_key"] == here.key, _instruction_sets(v["target"])))
+        if chosen["target_key"] != here.key:
+            warn(f"{self.path}: running its {chosen['target_key']} build on this {here.key} machine (this CPU has every "
+                 f"instruction set it uses), maybe slower than one built here; export on this machine for its own kernels")
+        return chosen
 
     def _load_weights(self) -> dict:
         """Every distinct array once on the device, shared by the buckets that read it."""
@@ -315,13 +332,32 @@ class ExportedModel:
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{b.batch}x{b.seq_len}" + (f"/{b.tokens}" if b.tokens else "") for b in self.buckets)
-        return f"ExportedModel({self.manifest['model']['name']}, {self.manifest['target_key']}, buckets {shapes})"
+        return f"ExportedModel({self.manifest['model']['name']}, {self.variant['target_key']}, buckets {shapes})"
 
 
-def load(path: str | Path, device=None, warn=None) -> ExportedModel:
-    """Loads a package `tvmbert export` wrote: checksums verified, built-for-another-machine
-    warned about (``warn``: a callable taking the message; default ``warnings.warn``)."""
-    return ExportedModel(path, device, warn)
+def load(path: str | Path, device=None, warn=None, variant: str | None = None) -> ExportedModel:
+    """Loads a package `tvmbert export` wrote: checksums verified, the fastest build this machine
+    can run chosen (``variant``: a target key, to load that build instead; ``.variant`` says which),
+    built-for-another-machine warned about (``warn``: a callable taking the message; default
+    ``warnings.warn``)."""
+    return ExportedModel(path, device, warn, variant)
+
+
+def variants_of(manifest: dict) -> list[dict]:
+    """A package's builds, one per CPU (a fleet package, format VARIANTS_FORMAT) or its one build:
+    each {target, target_key, buckets, amx_kernels}."""
+    if "variants" in manifest:
+        return manifest["variants"]
+    return [{key: manifest.get(key) for key in ("target", "target_key", "buckets", "amx_kernels")}]
+
+
+def _keys(variants: list[dict]) -> str:
+    return ", ".join(v["target_key"] for v in variants)
+
+
+def _instruction_sets(target: dict) -> int:
+    """How many of the checked instruction sets code for ``target`` may use: a wider ISA runs faster."""
+    return len(targets.compiled_instruction_sets(target))
 
 
 def _monotone(buckets: list[Bucket]) -> list[Bucket]:
@@ -338,9 +374,9 @@ def _read_manifest(path: Path) -> dict:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PackageError(f"{file} cannot be read: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, PACKED_FORMAT):
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
         raise PackageError(f"{file}: package format {manifest.get('format') if isinstance(manifest, dict) else None!r}; "
-                           f"this tvmbert reads formats {FORMAT} and {PACKED_FORMAT}")
+                           f"this tvmbert reads formats {', '.join(map(str, FORMATS))}")
     return manifest
 
 

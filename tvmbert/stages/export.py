@@ -21,14 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tvmbert.core import artifacts
+from tvmbert.core import artifacts, targets
 from tvmbert.core.config import JobConfig
 from tvmbert.core.errors import InputError
 from tvmbert.core.families import TASKS
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT
 from tvmbert.deploy.loader import LIBRARY_FILE
-from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, PACKED_FORMAT, load, sha256
+from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, PACKED_FORMAT, VARIANTS_FORMAT, load, sha256, variants_of
 from tvmbert.deploy.weights import PARAMS_FILE, load_params
 from tvmbert.frontend import models
 from tvmbert.stages.build import build
@@ -47,11 +47,14 @@ PACKED_FILLS = (0.25, 0.5)
 
 
 def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, batches: tuple[int, ...] = (),
-           seq_lens: tuple[int, ...] = (), packed: bool | None = None) -> dict:
+           seq_lens: tuple[int, ...] = (), packed: bool | None = None, cpus: tuple[str, ...] = ()) -> dict:
     """Builds every bucket (tuning first when the config gives tune.trials) and writes the package
     to ``out_dir`` whole (an existing package there is replaced). ``packed`` (default: the
-    config's export.packed) adds packed buckets for batches > 1. Returns the manifest, plus a
-    ``report`` of sizes and times."""
+    config's export.packed) adds packed buckets for batches > 1. ``cpus`` (default: the config's
+    export.cpus, else the job's target alone): a build of every bucket per CPU, a fleet package
+    whose loader runs the fastest build the machine it is on can run ("native" is the job's
+    target, the others LLVM CPU names or database keys: x86-64-v3, llvm-haswell, ...). Returns the
+    manifest, plus a ``report`` of sizes and times."""
     job = job_or_config if isinstance(job_or_config, Job) else Job(job_or_config)
     options = job.config.export
     out = Path(out_dir or options.out_dir or "")
@@ -69,24 +72,27 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
                          "the model); export it without --packed")
     for seq_len in seq_lens:
         models.check_seq_len(job.source, seq_len)
+    variants = _variant_jobs(job, cpus or options.cpus or ("native",))
     if not job.target.device_present():
         job.say(f"export: no {job.target.kind} device here: buckets are built, but not timed (the loader weighs them by size)")
 
     started = time.perf_counter()
     built = []
-    for batch in batches:
-        for seq_len in seq_lens:
-            fills = sorted({max(batch, int(batch * seq_len * fill)) for fill in PACKED_FILLS}) if packed and batch > 1 else []
-            for tokens in (None, *fills):
-                bucket_job = _bucket_job(job, batch, seq_len, tokens)
-                job.say(f"export: bucket {batch}x{seq_len}" + (f", packed: {tokens} tokens" if tokens else ""))
-                bucket_started = time.perf_counter()
-                if job.config.tune.trials:
-                    from tvmbert.stages.tune import tune
+    for variant in variants:
+        for batch in batches:
+            for seq_len in seq_lens:
+                fills = sorted({max(batch, int(batch * seq_len * fill)) for fill in PACKED_FILLS}) if packed and batch > 1 else []
+                for tokens in (None, *fills):
+                    bucket_job = _bucket_job(variant, batch, seq_len, tokens)
+                    job.say(f"export: bucket {batch}x{seq_len}" + (f", packed: {tokens} tokens" if tokens else "")
+                            + (f" for {variant.target.key}" if len(variants) > 1 else ""))
+                    bucket_started = time.perf_counter()
+                    if job.config.tune.trials and variant is job:  # measured here: only this machine's own target
+                        from tvmbert.stages.tune import tune
 
-                    tune(bucket_job)
-                artifact = build(bucket_job)
-                built.append((bucket_job, artifact, time.perf_counter() - bucket_started))
+                        tune(bucket_job)
+                    artifact = build(bucket_job)
+                    built.append((bucket_job, artifact, time.perf_counter() - bucket_started))
 
     first_job, first_build, _ = built[0]
     trace_meta = artifacts.read("trace", first_job.stage_dir("trace")).meta
@@ -103,13 +109,34 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
         "package_bytes": sum((out / name).stat().st_size for name in manifest["files"]) + (out / MANIFEST_FILE).stat().st_size,
         "weight_bytes": convert_meta["weight_bytes"],
         "stored_weight_bytes": (out / WEIGHTS_FILE).stat().st_size,
-        "library_bytes": sum((out / b["library"]).stat().st_size for b in manifest["buckets"]),
+        "library_bytes": sum((out / b["library"]).stat().st_size for v in variants_of(manifest) for b in v["buckets"]),
         "seconds": round(time.perf_counter() - started, 1),
         "path": str(out),
     }
     job.say(f"export: {len(built)} buckets -> {out} ({manifest['report']['package_bytes'] / 1e6:.1f} MB, "
             f"weights {convert_meta['weight_bytes'] / 1e6:.1f} MB)")
     return manifest
+
+
+def _variant_jobs(job: Job, cpus: tuple[str, ...]) -> list[Job]:
+    """A job per CPU of a fleet package, the job's own target first (``native``), each key once."""
+    if job.target.kind != "llvm" and tuple(cpus) != ("native",):
+        raise InputError(f"--cpus: a package for several CPUs is built for llvm targets, and this job's target is "
+                         f"{job.target.kind}")
+    found: dict[str, Job] = {}
+    for cpu in cpus:
+        name = cpu.strip()
+        if not name:
+            continue
+        if name == "native":
+            variant = job
+        else:
+            mcpu = name.removeprefix("llvm-")
+            variant = Job(replace(job.config, target=f"llvm -mcpu={mcpu}"), no_deps=job.no_deps, say=job.say)
+        found.setdefault(variant.target.key, variant)
+    if not found:
+        raise InputError("--cpus names no CPU: give native and/or LLVM CPU names, e.g. native,x86-64-v3")
+    return list(found.values())
 
 
 def _check_out(out: Path) -> None:
@@ -145,9 +172,10 @@ def _array_key(array: np.ndarray) -> str:
 
 def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, convert_meta: dict) -> dict:
     weights: dict[str, np.ndarray] = {}
-    buckets = []
+    variants: dict[str, dict] = {}
     (folder / "lib").mkdir()
     packing_meta = None
+    fleet = len({bucket_job.target.key for bucket_job, _, _ in built}) > 1
     for bucket_job, artifact, seconds in built:
         batch, seq_len = bucket_job.inputs.shape
         tokens = bucket_job.config.tokens
@@ -156,36 +184,38 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
             key = _array_key(array)
             weights.setdefault(key, array)
             keys.append(key)
-        library = f"lib/b{batch}-s{seq_len}" + (f"-t{tokens}" if tokens else "") + ".so"
+        key = bucket_job.target.key
+        library = "lib/" + (f"{key}/" if fleet else "") + f"b{batch}-s{seq_len}" + (f"-t{tokens}" if tokens else "") + ".so"
+        (folder / library).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(artifact.file(LIBRARY_FILE), folder / library)
         if tokens:
             packing_meta = {"inputs": list(packing.input_names(bucket_job.source.inputs)),
                             "positions": artifact.meta["packing"]["positions"]}
-        buckets.append({"batch": batch, "seq_len": seq_len, **({"tokens": tokens} if tokens else {}), "library": library, "weights": keys,
-                        "tasks_total": artifact.meta["tasks_total"], "tasks_tuned": artifact.meta["tasks_tuned"],
-                        "build_seconds": artifact.meta["build_seconds"], "export_seconds": round(seconds, 1),
-                        "cached": artifact.cached})
+        variant = variants.setdefault(key, {"target": bucket_job.target.config, "target_key": key, "buckets": [], "amx_kernels": 0})
+        # The loader asks the OS for AMX's tile state before loading such libraries (bf16 on AMX).
+        variant["amx_kernels"] += len(artifact.meta.get("amx_kernels") or ())
+        variant["buckets"].append({"batch": batch, "seq_len": seq_len, **({"tokens": tokens} if tokens else {}), "library": library,
+                                   "weights": keys, "tasks_total": artifact.meta["tasks_total"],
+                                   "tasks_tuned": artifact.meta["tasks_tuned"], "build_seconds": artifact.meta["build_seconds"],
+                                   "export_seconds": round(seconds, 1), "cached": artifact.cached})
     with open(folder / WEIGHTS_FILE, "wb") as handle:  # bfloat16 as its bits: npz has no bfloat16
         np.savez(handle, **{key: a.view(np.uint16) if a.dtype.name == "bfloat16" else a for key, a in weights.items()})
     tokenizer = _copy_tokenizer(job, folder / "tokenizer")
+    builds = {"variants": list(variants.values())} if fleet else next(iter(variants.values()))
     manifest = {
-        "format": PACKED_FORMAT if packing_meta else FORMAT,
+        "format": VARIANTS_FORMAT if fleet else PACKED_FORMAT if packing_meta else FORMAT,
         "model": {"name": job.source.name, "key": job.source.key, "fingerprint": job.source.fingerprint,
                   "vocab_size": job.source.vocab_size, "type_vocab_size": job.source.type_vocab_size,
                   "max_positions": job.source.max_positions, "weight_bytes": convert_meta["weight_bytes"]},
         "dtype": job.config.dtype,
         "fast_math": job.config.fast_math,
-        "target": job.target.config,
-        "target_key": job.target.key,
+        **builds,
         "inputs": _inputs(built[0][0]),
         "outputs": _outputs(job, trace_meta),
-        "buckets": buckets,
         **({"packing": packing_meta} if packing_meta else {}),
         "weights_file": WEIGHTS_FILE,
         "weights": {key: {"dtype": a.dtype.name, "shape": list(a.shape)} for key, a in weights.items()},
         "tokenizer": tokenizer,
-        # The loader asks the OS for AMX's tile state before loading such libraries (bf16 on AMX).
-        "amx_kernels": sum(len(artifact.meta.get("amx_kernels") or ()) for _, artifact, *_ in built),
         "versions": {**trace_meta.get("versions", {}), "numpy": np.__version__, "tvmbert": _version(),
                      "python": platform.python_version()},
     }
@@ -234,19 +264,32 @@ def _copy_tokenizer(job: Job, folder: Path) -> str | None:
 
 
 def _time_buckets(folder: Path, manifest: dict) -> None:
-    """Each bucket's median latency, loaded as a user loads it: the cost the planner weighs."""
-    model = load(folder, warn=lambda message: None)
-    for index, bucket in enumerate(manifest["buckets"]):
-        feeds = {spec["name"]: np.full((bucket["batch"], bucket["seq_len"]), 1 if spec["name"] == MASK_INPUT else 0, np.int64)
-                 for spec in manifest["inputs"]}
-        lengths = packing.fitting_lengths(bucket["batch"], bucket["seq_len"], bucket.get("tokens") or bucket["batch"] * bucket["seq_len"])
-        model._run_bucket(index, feeds, lengths)
-        timings = []
-        for _ in range(TIMED_RUNS):
-            started = time.perf_counter()
+    """Each bucket's median latency, loaded as a user loads it: the cost the planner weighs. A
+    fleet package's builds this CPU cannot run take the costs of one it ran (the planner compares
+    buckets within a build: their ratios carry)."""
+    timed: dict[tuple, float] = {}
+    for variant in variants_of(manifest):
+        if targets.missing_host_features(variant["target"]):
+            continue
+        model = load(folder, warn=lambda message: None, variant=variant["target_key"])
+        for index, bucket in enumerate(variant["buckets"]):
+            feeds = {spec["name"]: np.full((bucket["batch"], bucket["seq_len"]), 1 if spec["name"] == MASK_INPUT else 0, np.int64)
+                     for spec in manifest["inputs"]}
+            lengths = packing.fitting_lengths(bucket["batch"], bucket["seq_len"],
+                                              bucket.get("tokens") or bucket["batch"] * bucket["seq_len"])
             model._run_bucket(index, feeds, lengths)
-            timings.append(time.perf_counter() - started)
-        bucket["cost_ms"] = round(float(np.median(timings)) * 1000, 4)
+            timings = []
+            for _ in range(TIMED_RUNS):
+                started = time.perf_counter()
+                model._run_bucket(index, feeds, lengths)
+                timings.append(time.perf_counter() - started)
+            bucket["cost_ms"] = round(float(np.median(timings)) * 1000, 4)
+            timed.setdefault((bucket["batch"], bucket["seq_len"], bucket.get("tokens")), bucket["cost_ms"])
+    for variant in variants_of(manifest):
+        for bucket in variant["buckets"]:
+            shape = (bucket["batch"], bucket["seq_len"], bucket.get("tokens"))
+            if "cost_ms" not in bucket and shape in timed:
+                bucket["cost_ms"] = timed[shape]
     artifacts.write_json(folder / MANIFEST_FILE, manifest)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from tvmbert.core import targets
 from tvmbert.core.console import to_stderr
 from tvmbert.core.errors import InputError
+from tvmbert.deploy.loader import check_cpu
 from tvmbert.ir.tasks import Task, extract_tasks
 from tvmbert.passes.pipeline import lowering
 from tvmbert.training import autodiff
@@ -94,7 +95,9 @@ def add_tvm_dispatch(module, sample_inputs, target: str = "llvm", log_dir: str |
     inputs = (sample_inputs,) if isinstance(sample_inputs, torch.Tensor) else tuple(sample_inputs)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         raise InputError("add_tvm_dispatch: sample_inputs must be a tensor or a tuple of tensors")
-    dispatch = _Dispatch(module, inputs, targets.resolve(target), Path(log_dir), verbose)
+    spec = targets.resolve(target)
+    check_cpu("add_tvm_dispatch", spec.config)
+    dispatch = _Dispatch(module, inputs, spec, Path(log_dir), verbose)
     dispatch.compiled_for(dispatch.mode())  # compile now, for the module's current mode
     setattr(module, ATTRIBUTE, dispatch)
     module.forward = dispatch
