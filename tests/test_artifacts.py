@@ -49,7 +49,7 @@ def test_a_failed_write_is_an_input_error_naming_the_folder(tmp_path):
 def test_a_writer_killed_mid_stage_leaves_a_folder_the_next_write_removes(tmp_path):
     stage = tmp_path / "build"
     killed = subprocess.run([sys.executable, "-c", (
-        "import os, signal, sys; from pathlib import Path; from tvmbert import artifacts\n"
+        "import os, signal, sys; from pathlib import Path; from tvmbert.core import artifacts\n"
         "with artifacts.writing('build', Path(sys.argv[1]), 'fp', {}) as tmp:\n"
         "    (tmp / 'model.so').write_bytes(b'half')\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"), str(stage)], env={**os.environ, "PYTHONPATH": str(REPO)})
