@@ -103,14 +103,14 @@ def bench(report):
         table = Table(title=f"{report['model']} {result['batch']}x{result['seq_len']}"
                             + (f" ({result['padding']:.0%} padding)" if result["padding"] else "")
                             + f", {report['dtype']}, {env['threads']} threads, {env['target']}")
-        for column in ("engine", "median ms", "p90 ms", "p99 ms", "seq/s", "runs", "setup s", "memory MB"):
+        for column in ("engine", "median ms", "p90 ms", "p99 ms", "after idle ms", "seq/s", "runs", "setup s", "memory MB"):
             table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
         for name, stats in result["engines"].items():
             if "skipped" in stats:
                 table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
             else:
                 table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", f"{stats['p99_ms']:.3f}",
-                              f"{stats['throughput']:.1f}", str(stats["runs"]), f"{stats['setup_s']:.1f}",
+                              f"{stats['after_idle_ms']:.3f}", f"{stats['throughput']:.1f}", str(stats["runs"]), f"{stats['setup_s']:.1f}",
                               f"{stats['memory_mb']:.0f}")
         out.print(table)
         if result["ratio"]:

@@ -50,6 +50,8 @@ class Engine:
     setup_s: float = 0.0  # export / compile / build / load: the one-time cost
     memory_mb: float = 0.0  # resident memory the engine added when set up and first run
     timings_ms: list[float] = field(default_factory=list)
+    after_idle_ms: list[float] = field(default_factory=list)  # calls after bench.timing.IDLE_S without calls
+    quiet_ms: list[float] = field(default_factory=list)  # before each round: how long the process took to go quiet
 
 
 def _rss_mb() -> float:

@@ -11,7 +11,7 @@ from tvmbert.stages.bench.engines import ENGINES
 def to_csv(report: dict) -> str:
     buffer = io.StringIO()
     columns = ["model", "dtype", "batch", "seq_len", "padding", "engine", "median_ms", "p90_ms", "p99_ms", "mean_ms",
-               "runs", "throughput", "setup_s", "memory_mb", "skipped"]
+               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "setup_s", "memory_mb", "skipped"]
     writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
     for result in report["results"]:
@@ -59,7 +59,7 @@ def to_markdown(report: dict, command: str) -> str:
         "",
         f"Machine: {env['cpu']}, {env['threads']} threads of {env['cores']} cores, target `{env['target']}`; "
         f"torch {env['torch']}, apache-tvm {env['apache-tvm']}, onnxruntime {env['onnxruntime']}, "
-        f"transformers {env['transformers']}; {report['model']}, {report['dtype']}, median ms (p90).",
+        f"transformers {env['transformers']}; {report['model']}, {report['dtype']}, median ms (p99; after 200 ms idle).",
         "",
     ]
     names = [name for name in ENGINES if any(name in r["engines"] for r in report["results"])]
@@ -69,7 +69,8 @@ def to_markdown(report: dict, command: str) -> str:
         cells = []
         for name in names:
             stats = result["engines"].get(name, {})
-            cells.append(f"{stats['median_ms']:.2f} ({stats['p90_ms']:.2f})" if "median_ms" in stats else "skipped")
+            cells.append(f"{stats['median_ms']:.2f} ({stats['p99_ms']:.2f}; {stats['after_idle_ms']:.2f})" if "median_ms" in stats
+                         else "skipped")
         ratio = f"{result['ratio']:.2f} vs {result['best_other']}" if result["ratio"] else "-"
         lines.append(f"| {result['batch']} x {result['seq_len']} | {result['padding']:g} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines) + "\n"

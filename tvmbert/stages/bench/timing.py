@@ -13,7 +13,15 @@ from tvmbert.stages.bench.engines import Engine
 from tvmbert.stages.job import Job
 
 MAX_RUNS_FACTOR = 50  # a safety stop: never more than repeat x this many runs per engine
-ROUND_RUNS = 3  # consecutive runs of one engine per round: less cross-engine cache and thread-pool noise
+ROUND_RUNS = 3  # timed runs of one engine per round: less cross-engine cache and thread-pool noise
+# Thread pools spin after a call (OpenMP's, ONNX Runtime's, TVM's), then sleep: a round starts
+# once the process has used less than QUIET_SHARE of a core for QUIET_WINDOW_S, so that no engine
+# competes with the threads the previous one left spinning (at most QUIET_MAX_S of waiting).
+QUIET_WINDOW_S = 0.005
+QUIET_SHARE = 0.1
+QUIET_MAX_S = 1.0
+IDLE_S = 0.2  # "after idle": a call after this long without calls, as bursty traffic makes them
+IDLE_RUNS = 5
 
 
 def set_threads(threads: int) -> None:
@@ -26,8 +34,21 @@ def set_threads(threads: int) -> None:
     tvm.get_global_func("runtime.config_threadpool")(-3, threads, [str(cpu) for cpu in HOST_CPUS])
 
 
+def wait_until_quiet() -> float:
+    """Waits until this process's threads stop spinning; returns the seconds that took."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < QUIET_MAX_S:
+        cpu = time.process_time()
+        time.sleep(QUIET_WINDOW_S)
+        if time.process_time() - cpu < QUIET_SHARE * QUIET_WINDOW_S:
+            break
+    return time.perf_counter() - started
+
+
 def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float) -> None:
-    """Rounds of a few consecutive runs per engine, until every engine has enough."""
+    """Rounds per engine until every engine has enough: each starts once the previous engine's
+    threads are quiet, with one untimed call that wakes this engine's own (what a user calling it
+    back to back never pays), then ROUND_RUNS timed calls. Then each engine's latency after idle."""
     for engine in engines:
         for _ in range(warmup):
             engine.run()
@@ -36,12 +57,21 @@ def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float) 
         if all(len(e.timings_ms) >= repeat * MAX_RUNS_FACTOR for e in engines):
             break
         for engine in engines:
+            engine.quiet_ms.append(wait_until_quiet() * 1000.0)
+            engine.run()
             for _ in range(ROUND_RUNS):
                 started = time.perf_counter()
                 engine.run()
                 elapsed = time.perf_counter() - started
                 engine.timings_ms.append(elapsed * 1000.0)
                 spent[engine.name] += elapsed
+    for _ in range(IDLE_RUNS):
+        for engine in engines:
+            wait_until_quiet()
+            time.sleep(IDLE_S)
+            started = time.perf_counter()
+            engine.run()
+            engine.after_idle_ms.append((time.perf_counter() - started) * 1000.0)
 
 
 def _summary(engine: Engine, batch: int) -> dict:
@@ -52,6 +82,8 @@ def _summary(engine: Engine, batch: int) -> dict:
         "p90_ms": round(float(np.percentile(values, 90)), 4),
         "p99_ms": round(float(np.percentile(values, 99)), 4),
         "mean_ms": round(float(values.mean()), 4),
+        "after_idle_ms": round(float(np.median(engine.after_idle_ms)), 4) if engine.after_idle_ms else None,
+        "quiet_after_ms": round(float(np.median(engine.quiet_ms)), 2) if engine.quiet_ms else None,
         "runs": len(values),
         "throughput": round(batch * 1000.0 / median, 2),  # sequences per second
         "setup_s": round(engine.setup_s, 2),
