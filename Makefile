@@ -20,7 +20,7 @@ demo: install
 	$(BIN)/tvmbert run configs/demo.yaml
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: install
 	$(BIN)/pytest -q -m "not slow"
