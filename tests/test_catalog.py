@@ -22,7 +22,7 @@ from helpers import OTHER_CPU, SMALL_TUNE, tune_in_background
 HOST = resolve("llvm").key
 # A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
 OTHER_TARGET = f"llvm -mcpu={OTHER_CPU}"
-SMALL = SMALL_TUNE  # 12 non-trivial tasks in bert-tiny, 4 trials each
+SMALL = SMALL_TUNE
 
 
 def fake_record(*insts):
@@ -57,9 +57,9 @@ def test_a_record_tensorized_with_a_missing_instruction_never_fits():
 def test_build_on_a_cpu_without_logs_takes_every_schedule_from_the_nearest_one(tvmbert, tuned):
     built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
     assert built.code == 0, built.stderr
-    assert built.json["tasks_tuned"] == built.json["tasks_total"] == 12
+    assert built.json["tasks_tuned"] == built.json["tasks_total"] > 0
     assert set(built.json["schedules"].values()) == {f"transferred from {HOST}"}
-    assert f"12 transferred from {HOST}" in built.stderr and "--adapt" in built.stderr
+    assert f"{built.json['tasks_total']} transferred from {HOST}" in built.stderr and "--adapt" in built.stderr
     assert str(tuned / HOST) in built.json["databases_read"]
     verified = tvmbert("verify", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
     assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
@@ -127,7 +127,7 @@ def test_compact_keeps_the_best_records_and_builds_choose_the_same(tvmbert, tune
         again = database.valid_records(shipped, record.workload.mod)[:1]
         assert [str(r.trace) for r in best] == [str(r.trace) for r in again]
     built = tvmbert("build", "bert-tiny", "--log-dir", str(logs), "--json")
-    assert built.json["tasks_tuned"] == 12 and set(built.json["schedules"].values()) == {"native"}
+    assert built.json["tasks_tuned"] == built.json["tasks_total"] > 0 and set(built.json["schedules"].values()) == {"native"}
     # Done tasks stay done with only the shipped records.
     again = tvmbert("tune", "bert-tiny", *SMALL, "--log-dir", str(logs), "--json")
     assert again.code == 0 and again.json["new_trials"] == 0
@@ -172,7 +172,7 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
     adapted = tvmbert("tune", "bert-tiny", "--target", OTHER_TARGET, "--adapt", "--trials", "16",
                       "--log-dir", str(logs), "--json")
     assert adapted.code == 0, adapted.stderr
-    assert adapted.json["target"] == f"llvm-{OTHER_CPU}" and adapted.json["new_trials"] > 12
+    assert adapted.json["target"] == f"llvm-{OTHER_CPU}" and adapted.json["new_trials"] > adapted.json["tasks_total"]
     assert "ETA" in adapted.stderr
     built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
     assert built.code == 0 and set(built.json["schedules"].values()) == {"native"}

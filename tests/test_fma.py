@@ -11,7 +11,7 @@ import pytest
 
 from tvmbert.kernels import fma
 
-from helpers import HOST, HOST_LANES, build_meta, heap_buffers
+from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta, heap_buffers
 
 
 @pytest.mark.simd
@@ -112,9 +112,10 @@ def test_rows_that_are_no_multiple_of_the_tile_take_a_last_smaller_tile(tvmbert,
 
 
 @pytest.mark.simd
-def test_few_rows_and_a_disabled_pass_keep_the_schedules(tvmbert, workdir):
+def test_few_rows_take_the_kernel_unless_the_cpus_own_records_win_and_a_disabled_pass_keeps_the_schedules(tvmbert, workdir):
     assert tvmbert("build", "bert-tiny").code == 0  # 1 x 14: bound by streaming the weights
-    assert "fma_kernels" not in build_meta(workdir, "b1-s14-float32")
+    assert ("fma_kernels" in build_meta(workdir, "b1-s14-float32")) == (fma.min_rows(HOST_TARGET.key) <= 14)
+    assert fma.min_rows("llvm-sapphirerapids") == 16 and fma.min_rows("llvm-haswell") == 1
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "64", "--disable", "fma-fp32", "--json")
     assert outcome.code == 0, outcome.stderr
     assert "fma-fp32" not in outcome.json["passes"]

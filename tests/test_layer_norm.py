@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tvmbert.kernels import layer_norm
+from tvmbert.kernels import fma, layer_norm
 
-from helpers import HOST, HOST_LANES, heap_buffers
+from helpers import HOST, HOST_LANES, HOST_TARGET, heap_buffers
 
 
 @pytest.mark.simd
@@ -64,5 +64,6 @@ def test_bert_tiny_layer_norms_run_on_the_kernel(tvmbert):
     assert verified.code == 0 and verified.json["passed"], verified.stderr
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--disable", "layer-norm-fp32", "--json")
     assert outcome.json["ops_after"].get("tir:layer_norm") == 5
-    few_rows = tvmbert("optimize", "bert-tiny", "--json")  # 1 x 14: the tuned kernel
-    assert few_rows.json["ops_after"].get("tir:layer_norm") == 5
+    few_rows = tvmbert("optimize", "bert-tiny", "--json")  # 1 x 14: our kernel, unless this CPU's own records win there
+    on_ours = sum(count for name, count in few_rows.json["ops_after"].items() if name.startswith("tir:layer_norm_"))
+    assert (on_ours, few_rows.json["ops_after"].get("tir:layer_norm", 0)) == ((5, 0) if fma.min_rows(HOST_TARGET.key) <= 14 else (0, 5))

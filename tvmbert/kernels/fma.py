@@ -1,8 +1,7 @@
 """fp32 matmuls by a weight on a hand-written FMA micro-kernel. The pass ``fma-fp32``
 (``passes/fma_fp32.py``) calls it.
 
-Where a matmul has enough rows to be bound by arithmetic (batch x tokens >= ``MIN_ROWS``: 1 x 128,
-8 x 128; from 16 rows on), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
+Where a matmul takes it (every row count, or from ``MIN_ROWS`` of the target on: 1 x 128, 8 x 128), MetaSchedule's best schedules for bert-base's weight matmuls reached 210-230 GFLOP/s of
 this machine's ~400 (two Sapphire Rapids cores: a loop of register-only FMAs runs 200 GFLOP/s on
 each) after 300 trials each, and TVM offers no fp32
 micro-kernel intrinsic. This kernel is the classic BLAS one (MLAS, oneDNN): the weight packed once
@@ -25,16 +24,24 @@ from tvmbert.kernels.scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.fma_f32"  # PrimFunc attribute marking the kernel (build counts them)
 ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for none): what a variant of it needs
-# Below this a matmul by a weight is bound by streaming the weight, and tuned schedules do that
-# better (bert-base 1 x 14: 18.7 ms tuned, 20.4 on the kernel); from it on the kernel wins, and
-# against untuned shapes by far (bert-base 1 x 16 untuned 40.8 ms, on the kernel 21.3; an export's
-# small buckets are rarely tuned).
-MIN_ROWS = 16
+# A matmul by a weight with few rows is bound by streaming the weight. Schedules tuned on the CPU
+# itself stream it better there, below 16 rows (Sapphire Rapids, its shipped records, bert-base
+# 1 x 14: 18.7 ms tuned, 20.4 on the kernel); every other CPU runs schedules carried from another
+# one, which the kernel beats at every row count (AMD Zen 4, records carried from Sapphire Rapids,
+# 1 x 14: 24.4 -> 18.3 ms; built for haswell, AVX2: 36.2 -> 22.4). From 16 rows on the kernel
+# wins everywhere (an export's small buckets are rarely tuned: 1 x 16 untuned 40.8 ms, kernel
+# 21.3). The fewest rows our kernels take, by target key (1 where a key is not listed): the
+# pipeline's PassContext.min_rows; a function of the target alone, so that tune and build agree.
+MIN_ROWS = {"llvm-sapphirerapids": 16}
 CACHE_LINE = 64
 STACK_BYTES = 1023  # the largest buffer TVM allocates on the stack (runtime::kMaxStackAlloca - 1)
 # Activations the kernel applies as it stores a tile (Relax op -> what it does to a float32 PrimExpr): the
 # FFN's GELU then costs no pass over its 4 x hidden activations (bert-base 8 x 128: 2.9 ms x 12).
 ACTIVATIONS = {"relax.nn.gelu": gelu_float32}
+
+
+def min_rows(target_key: str) -> int:
+    return MIN_ROWS.get(target_key, 1)
 
 
 def tile(n: int, lanes: int) -> tuple[int, int] | None:

@@ -4,7 +4,7 @@ in panels."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import ACTIVATION_ATTR, ACTIVATIONS, MIN_ROWS, kernel, tile
+from tvmbert.kernels.fma import ACTIVATION_ATTR, ACTIVATIONS, kernel, tile
 
 
 def panel_major_variant(call, function, lanes: int):
@@ -36,9 +36,9 @@ def weight_in_panels(weight, width: int):
     return relax.op.permute_dims(relax.op.reshape(weight, (k, n // width, width)), [1, 0, 2])
 
 
-def fma_matmuls(lanes: int):
+def fma_matmuls(lanes: int, min_rows: int):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
-    ``MIN_ROWS`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
+    ``min_rows`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
     call of the kernel on W in panels, together with the activation or the residual add that follows
     it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
     from tvm import relax
@@ -65,7 +65,7 @@ def fma_matmuls(lanes: int):
             if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
                 return None
             lead, n, _ = sizes
-            return sizes if row_count(lead) >= MIN_ROWS and tile(n, lanes) is not None else None
+            return sizes if row_count(lead) >= min_rows and tile(n, lanes) is not None else None
 
         def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
             assert out_dtype == "float32"  # no output_dtypes given to Epilogues

@@ -6,17 +6,16 @@ from __future__ import annotations
 from tvmbert.kernels.layer_norm import fits, kernel
 
 
-def layer_norm_rewrite(lanes: int):
+def layer_norm_rewrite(lanes: int, min_rows: int):
     """The module pass: each fp32 ``layer_norm`` over the last axis of a static shape, with its
     scale and shift, whose size is a multiple of the vector lanes, over as many rows as the FMA
-    kernel takes (``fma.MIN_ROWS``), becomes one call of the kernel, together with the residual
+    kernel takes (``min_rows``), becomes one call of the kernel, together with the residual
     add before it where nothing else uses the sum (it runs before ``fma-fp32``, whose kernel
     would otherwise add the residual as it stores: +0.4-0.9 ms a call at 1024 rows there, ~0.1 ms
     here, where the row is read anyway)."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import dataflow, row_count, static_shape, unread
-    from tvmbert.kernels.fma import MIN_ROWS
     from tvmbert.passes.rewriters import function_pass
 
     def sizes(call):
@@ -28,7 +27,7 @@ def layer_norm_rewrite(lanes: int):
         axes = [int(a) % len(shape) for a in call.attrs.axes]
         if axes != [len(shape) - 1] or not (call.attrs.center and call.attrs.scale) or not fits(shape[-1], lanes):
             return None
-        if row_count(shape[:-1]) < MIN_ROWS:  # a few rows: the tuned kernels are as fast (bert-base 1 x 14)
+        if row_count(shape[:-1]) < min_rows:  # a few rows: this CPU's tuned kernels are as fast (bert-base 1 x 14)
             return None
         if any(arg.ty.dtype != "float32" or static_shape(arg) != shape[-1:] for arg in call.args[1:]):
             return None

@@ -25,6 +25,7 @@ class PassContext:
     dtype: str = "float32"
     target: object | None = None  # core.targets.TargetSpec
     fast_math: bool = False
+    min_rows: int = 1  # the fewest rows a weight matmul or layer norm runs on our kernels with (kernels/fma.MIN_ROWS)
 
     @property
     def fp32_kernels(self) -> bool:
@@ -81,13 +82,13 @@ def _amx_bf16(_context):
 def _layer_norm_fp32(context):
     from tvmbert.passes.layer_norm_fp32 import layer_norm_rewrite
 
-    return [layer_norm_rewrite(context.target.fp32_lanes)]
+    return [layer_norm_rewrite(context.target.fp32_lanes, context.min_rows)]
 
 
 def _fma_fp32(context):
     from tvmbert.passes.fma_fp32 import fma_matmuls
 
-    return [fma_matmuls(context.target.fp32_lanes)]
+    return [fma_matmuls(context.target.fp32_lanes, context.min_rows)]
 
 
 def _attention_fp32(context):

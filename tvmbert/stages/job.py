@@ -15,6 +15,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import TASKS
 from tvmbert.core.registry import STAGES
 from tvmbert.frontend import models
+from tvmbert.kernels import fma
 from tvmbert.passes.pipeline import PassContext, check_pass_names
 
 
@@ -56,7 +57,7 @@ class Job:
 
     @property
     def pass_context(self) -> PassContext:
-        return PassContext(self.config.dtype, self.target, self.config.fast_math)
+        return PassContext(self.config.dtype, self.target, self.config.fast_math, fma.min_rows(self.target.key))
 
     @property
     def packed(self) -> bool:

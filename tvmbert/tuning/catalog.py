@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from tvmbert.ir.tasks import extract_tasks, marked_kernels, without_marks
-from tvmbert.tuning import database, record_files
+from tvmbert.tuning import database
 
 NATIVE = "native"
 DEFAULT = "default"
@@ -116,7 +116,7 @@ class Catalog:
         for folder in sorted(p for p in root.iterdir() if p.is_dir() and p != log_dir) if root.is_dir() else []:
             other = describe(folder.name)
             distance = self.cpu.distance(other) if other is not None else None
-            if distance is not None and _holds_records(folder):
+            if distance is not None and database.holds_records(folder):
                 ranked.append((distance, folder))
         self.others = [Source(folder.name, database.open_database(folder, warn=warn))
                        for _, folder in sorted(ranked, key=lambda item: item[0])]
@@ -189,7 +189,3 @@ class Catalog:
 def measured_cores(record) -> int | None:
     cores = record.target.attrs.get("num-cores")
     return int(cores) if cores is not None else None
-
-
-def _holds_records(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in (record_files.COMPACT_FILE, record_files.RECORDS_FILE))

@@ -28,6 +28,11 @@ from tvmbert.tuning.record_files import (
 )
 
 
+def holds_records(folder: Path) -> bool:
+    """Whether a database folder holds records (shipped or measured)."""
+    return any((folder / name).is_file() for name in (COMPACT_FILE, RECORDS_FILE))
+
+
 def state(log_root: Path) -> list:
     """What a build's cache key needs: the sizes and times of every database under the log root
     (a build may take records from any of them)."""
