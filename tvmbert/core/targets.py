@@ -89,11 +89,6 @@ class TargetSpec:
         return 8 if self.has_features("avx2", "fma") else 0
 
     @cached_property
-    def vector_registers(self) -> int:
-        """Vector registers a kernel's tile may use: 32 with AVX-512, else 16 (x86-64's ymm/xmm)."""
-        return 32 if self.has_features("avx512f") else 16
-
-    @cached_property
     def has_amx_bf16(self) -> bool:
         return self.has_features(AMX_BF16)
 
