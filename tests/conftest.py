@@ -10,7 +10,7 @@ import pytest
 
 from tvmbert.cli import main
 
-from helpers import HOST_AMX, HOST_LANES, SMALL_TUNE
+from helpers import HOST_AMX, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
 
 
 @dataclass
@@ -51,6 +51,16 @@ def tuned(tmp_path_factory, workdir):
     logs work on a copy."""
     log_dir = tmp_path_factory.mktemp("logs")
     assert main(["tune", "bert-tiny", *SMALL_TUNE, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
+    return log_dir
+
+
+@pytest.fixture(scope="session")
+def tuned_schedules(tmp_path_factory, workdir):
+    """bert-tiny's weight matmuls and layer norms tuned by MetaSchedule (our kernels left out):
+    what the tests of tuned layouts and renamed records read, whatever this CPU's kernels take."""
+    log_dir = tmp_path_factory.mktemp("schedules")
+    assert main(["tune", "bert-tiny", *WITHOUT_KERNELS, "--kernel", "matmul", "--kernel", "layer_norm", *SMALL_TUNE,
+                 "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
     return log_dir
 
 

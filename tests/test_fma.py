@@ -95,8 +95,8 @@ def test_compute_bound_matmuls_run_on_the_kernel(tvmbert, workdir):
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
     meta = build_meta(workdir, "b1-s64-float32")
-    # Q/K/V, attention output, FFN up and down (the pooler has one row: it keeps its schedule).
-    assert len(meta["fma_kernels"]) == 4
+    # Q/K/V, attention output, FFN up and down; the pooler's one row too where the kernel takes every row count.
+    assert len(meta["fma_kernels"]) == (4 if fma.min_rows(HOST_TARGET.key) > 1 else 5)
     assert not any(name.startswith("fma_") for name in meta["schedules"])  # no task: nothing to tune
     optimized = tvmbert("optimize", "bert-tiny", "--seq-len", "64", "--json")
     assert "fma-fp32" in optimized.json["passes"]
@@ -108,7 +108,7 @@ def test_rows_that_are_no_multiple_of_the_tile_take_a_last_smaller_tile(tvmbert,
     outcome = tvmbert("verify", "bert-tiny", "--batch", "3", "--seq-len", "13", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] <= 1e-4
-    assert len(build_meta(workdir, "b3-s13-float32")["fma_kernels"]) == 4
+    assert len(build_meta(workdir, "b3-s13-float32")["fma_kernels"]) == (4 if fma.min_rows(HOST_TARGET.key) > 3 else 5)
 
 
 @pytest.mark.simd

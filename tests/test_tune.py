@@ -20,7 +20,7 @@ from tvmbert.tuning import database, record_files
 from tvmbert.tuning.catalog import Catalog
 from tvmbert.tuning.search import plan
 
-from helpers import SMALL_TUNE, tune_in_background
+from helpers import NO_KERNELS, SMALL_TUNE, WITHOUT_KERNELS, tune_in_background
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +41,13 @@ def test_tune_then_build_has_every_task_tuned(tvmbert, tuned):
     assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
 
 
-def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned, workdir):
+def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned_schedules, workdir):
     from tvmbert import Job, JobConfig, optimize
     from tvmbert.deploy.weights import PARAMS_FILE, load_params
     from tvmbert.ir.files import load_module
 
-    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned)))
+    tuned = tuned_schedules
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tuned), disable=NO_KERNELS))
     module = inference_module(load_module(optimize(job).path), job.target)
     marked = {t.name: [int(i) for i in t.module["main"].attrs.get(LAYOUT_FREE, [])]
               for t in extract_tasks(module, job.target)}
@@ -57,21 +58,21 @@ def test_cpu_kernels_read_weights_prepacked_in_their_tuned_layout(tvmbert, tuned
     # Only prepacked records here: every marked kernel keeps its mark. Records of the same kernels
     # measured with the weights as they are, and faster, would take the marks off (build's choice).
     assert Catalog(job.log_dir(), job.target.key, print).prefer_measured_layouts(module, job.target) is module
-    built = tvmbert("build", "bert-tiny", "--log-dir", str(tuned), "--json")
+    built = tvmbert("build", "bert-tiny", *WITHOUT_KERNELS, "--log-dir", str(tuned), "--json")
     assert built.code == 0, built.stderr
     shapes = [w.shape for w in load_params(Path(built.json["artifact"]).parent / PARAMS_FILE).values()]
     assert any(len(shape) >= 3 for shape in shapes), shapes  # tiles of the matrices (2-D as given): repacked once
 
 
-def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned, workdir, tmp_path):
+def test_build_keeps_a_weight_as_it_is_where_such_records_run_faster(tuned_schedules, workdir, tmp_path):
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
     from tvmbert import Job, JobConfig, optimize
     from tvmbert.ir.files import load_module
 
-    shutil.copytree(tuned, tmp_path / "logs")
-    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs")))
+    shutil.copytree(tuned_schedules, tmp_path / "logs")
+    job = Job(JobConfig(model="bert-tiny", workdir=str(workdir), log_dir=str(tmp_path / "logs"), disable=NO_KERNELS))
     optimized = load_module(optimize(job).path)
     marked = inference_module(optimized, job.target)
     catalog = Catalog(job.log_dir(), job.target.key, print)

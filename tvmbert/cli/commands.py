@@ -35,6 +35,8 @@ def _common(func):
         click.option("--dtype", help="float32 (default), float64, float16 or bfloat16 (README: Precision)."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
         click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
+        click.option("--disable", multiple=True, help="Leave a pass out of the pipeline, one the dtype or target adds "
+                     "included (repeatable; names: tvmbert optimize --json)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
         click.option("--workdir", help="Where artifacts go (default: build)."),
         click.option("--log-dir", help="Where tuning databases live (default: tuning_logs)."),
@@ -75,6 +77,7 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
         "model": model,
         **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "target", "workdir",
                                       "log_dir")},
+        "disable": tuple(params.pop("disable")) or None,
         **(overrides or {}),
     }
     job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))
@@ -126,10 +129,9 @@ def convert(as_json, force, **params):
 @_common
 @click.option("--force", is_flag=True, help="Redo the stage even when its inputs are unchanged.")
 @click.option("--passes", help="Comma-separated pass pipeline (default: the config's, or all).")
-@click.option("--disable", multiple=True, help="Leave out a pass by name (repeatable).")
 @click.option("--viz", is_flag=True, help="Draw encoder layer 0 before and after the passes (SVG; DOT without Graphviz).")
 @_quiet_warnings
-def optimize(as_json, force, passes, disable, viz, **params):
+def optimize(as_json, force, passes, viz, **params):
     """Run the graph-pass pipeline; report op counts before and after."""
     from tvmbert.core.artifacts import artifact_summary
     from tvmbert.stages.optimize import optimize as run
@@ -137,7 +139,7 @@ def optimize(as_json, force, passes, disable, viz, **params):
 
     overrides = {"passes": tuple(p.strip() for p in passes.split(",") if p.strip())} if passes else None
     job = _job(params, overrides)
-    artifact = run(job, force=force, disable=tuple(disable))
+    artifact = run(job, force=force)
     result = artifact_summary(artifact)
     if viz:
         result["pictures"] = pictures(job, artifact)

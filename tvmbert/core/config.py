@@ -91,6 +91,9 @@ class JobConfig:
     seed: int = 0
     target: str = "llvm"
     passes: tuple[str, ...] | None = None  # None: the default pipeline of the optimize stage (names checked by Job)
+    # Passes left out of every stage's pipeline, those a dtype or target adds included (a kernel
+    # against MetaSchedule's schedules, say): tune and build then agree on the kernels.
+    disable: tuple[str, ...] = ()
     stages: tuple[str, ...] = ("trace", "convert", "optimize", "build", "verify", "bench")
     workdir: str = "build"
     log_dir: str = "tuning_logs"

@@ -33,6 +33,7 @@ class Job:
         self.target = targets.resolve(self.config.target)
         if self.config.passes is not None:
             check_pass_names(self.config.passes, "passes")
+        check_pass_names(self.config.disable, "--disable")
         if self.config.dtype == "bfloat16" and self.target.kind == "llvm" and not self.target.has_amx_bf16:
             raise InputError(self.target.no_amx_message())
         if self.config.seq_len is not None:

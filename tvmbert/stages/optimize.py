@@ -13,8 +13,8 @@ from tvmbert.stages.convert import convert
 from tvmbert.stages.job import Job
 
 
-def pipeline(job: Job, disable: tuple[str, ...] = ()) -> tuple[str, ...]:
-    return selected(job.config.passes, job.pass_context, disable)
+def pipeline(job: Job) -> tuple[str, ...]:
+    return selected(job.config.passes, job.pass_context, job.config.disable)
 
 
 def count_ops(module) -> dict[str, int]:
@@ -35,9 +35,9 @@ def count_ops(module) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def optimize(job: Job, force: bool = False, disable: tuple[str, ...] = ()) -> Artifact:
+def optimize(job: Job, force: bool = False) -> Artifact:
     converted = job.upstream("convert", convert)
-    names = pipeline(job, disable)
+    names = pipeline(job)
     stage = CachedStage(job, "optimize", convert=converted.fingerprint, passes=names,
                         **({"target": job.target.key} if per_target(names) else {}))
     if hit := stage.reused(force):
