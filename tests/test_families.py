@@ -11,7 +11,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
-from helpers import WITHOUT_KERNELS
+from helpers import WITHOUT_KERNELS, assert_one_line_error
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -185,3 +185,47 @@ def test_every_familys_inputs_are_a_prefix_of_berts():
 
     for family in FAMILIES.values():
         assert family.inputs == BERT_INPUTS[: len(family.inputs)]
+
+
+def _without(folder: str, copy: Path, prefix: str) -> str:
+    """A copy of a saved directory whose weight file lacks the tensors named ``prefix``...: a head
+    saved without its classifier, an encoder without its pooler."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, copy)
+    weights = load_file(copy / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith(prefix)}, copy / "model.safetensors", metadata={"format": "pt"})
+    return str(copy)
+
+
+def test_a_head_without_its_weights_is_refused_and_drawn_at_random_only_when_asked(tvmbert, saved, tmp_path):
+    headless = _without(saved["BertForSequenceClassification"], tmp_path / "headless", "classifier.")
+    for stage in ("build", "verify"):
+        assert_one_line_error(tvmbert(stage, headless), "no weights for classifier.bias, classifier.weight",
+                              "--task feature-extraction", "--allow-random-weights")
+    assert_one_line_error(tvmbert("export", headless, "-o", str(tmp_path / "package")), "classifier.bias")
+    assert not (tmp_path / "package").exists()
+    # Asked for: the same seeded head in the build and in verify's reference, and every result says so.
+    verified = tvmbert("verify", headless, "--allow-random-weights", "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
+    assert verified.json["random_weights"] == ["classifier.bias", "classifier.weight"]
+    built = tvmbert("build", headless, "--allow-random-weights", "--json")
+    assert built.json["random_weights"] == ["classifier.bias", "classifier.weight"]
+    human = tvmbert("verify", headless, "--allow-random-weights")
+    assert "random weights" in human.stdout and "classifier.weight" in human.stdout
+    # The way out the message names: the encoder alone has every weight it needs.
+    encoder = tvmbert("verify", headless, "--task", "feature-extraction", "--json")
+    assert encoder.code == 0 and encoder.json["passed"] and encoder.json["random_weights"] == []
+
+
+def test_weights_tied_on_purpose_are_not_missing_and_an_encoder_without_its_pooler_leaves_pooler_output_out(saved, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(Path(saved["RobertaForMaskedLM"]) / "model.safetensors", "pt") as stored:
+        assert "lm_head.decoder.weight" not in stored.keys()  # tied to the word embeddings: not saved
+    assert models.load(models.resolve(saved["RobertaForMaskedLM"])).random_weights == ()
+    poolerless = _without(saved["BertForPreTraining"], tmp_path / "poolerless", "bert.pooler.")
+    model = models.load(models.resolve(poolerless, task="feature-extraction"))
+    assert model.output_names == ("last_hidden_state",) and model.random_weights == ()

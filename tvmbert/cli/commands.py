@@ -34,6 +34,8 @@ def _common(func):
         click.option("--text", help="Example text, for models with a tokenizer."),
         click.option("--dtype", help="float32 (default), float64, float16 or bfloat16 (README: Precision)."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
+        click.option("--allow-random-weights", is_flag=True, default=None, help="Compile a directory that lacks some weights "
+                     "(a head saved without its classifier) with those drawn from --seed, for experiments; every report says so."),
         click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
         click.option("--disable", multiple=True, help="Leave a pass out of the pipeline, one the dtype or target adds "
                      "included (repeatable; names: tvmbert optimize --json)."),
@@ -75,7 +77,7 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
     model = params.pop("model")
     flags = {
         "model": model,
-        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "target", "workdir",
+        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "allow_random_weights", "target", "workdir",
                                       "log_dir")},
         "disable": tuple(params.pop("disable")) or None,
         **(overrides or {}),

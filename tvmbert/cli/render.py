@@ -9,6 +9,13 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)
 
 
+def random_weights(result):
+    """Said beside every result of a model compiled with weights drawn at random."""
+    if drawn := result.get("random_weights"):
+        out.print(f"[yellow]random weights[/yellow] (--allow-random-weights): {', '.join(drawn)}: not the model's, "
+                  "its answers mean nothing")
+
+
 def artifact(stage):
     def show(result):
         out.print(f"{stage}: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
@@ -48,6 +55,7 @@ def build(result):
     out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read'])}")
     if result["untuned"]:
         out.print(f"untuned (default schedules): {', '.join(result['untuned'])}")
+    random_weights(result)
 
 
 def verify(result):
@@ -59,6 +67,7 @@ def verify(result):
     out.print(table)
     verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
     out.print(f"verify: {verdict} max abs diff {result['max_abs_diff']:.3g} (tolerance {result['tolerance']:.3g})")
+    random_weights(result)
 
 
 def verify_training(result):
@@ -118,6 +127,7 @@ def bench(report):
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
         if result.get("packed_speedup"):
             out.print(f"tvm (padded) median / tvm-packed's: {result['packed_speedup']:.2f}")
+    random_weights(report)
 
 
 def export(manifest):
@@ -137,6 +147,7 @@ def export(manifest):
     out.print(f"export: {report['path']}: {report['package_bytes'] / 1e6:.1f} MB (weights stored "
               f"{report['stored_weight_bytes'] / 1e6:.1f} MB for {report['weight_bytes'] / 1e6:.1f} MB of model weights, "
               f"libraries {report['library_bytes'] / 1e6:.1f} MB) in {report['seconds']} s")
+    random_weights(manifest)
 
 
 def bench_lengths(report):

@@ -89,6 +89,7 @@ class JobConfig:
     dtype: str = "float32"
     fast_math: bool = False  # allow approximations (tanh GELU, fast exp/erf/softmax); exact by default
     seed: int = 0
+    allow_random_weights: bool = False  # a directory's missing weights drawn from seed (experiments), not refused
     target: str = "llvm"
     passes: tuple[str, ...] | None = None  # None: the default pipeline of the optimize stage (names checked by Job)
     # Passes left out of every stage's pipeline, those a dtype or target adds included (a kernel

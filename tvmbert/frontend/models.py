@@ -49,6 +49,8 @@ class ModelSource:
     type_vocab_size: int  # token_type_ids are in [0, type_vocab_size); RoBERTa-style models have 1
     family: str  # a FAMILIES key (config.json's model_type)
     task: str  # a TASKS key
+    # A directory's weights it lacks may be drawn at random (seeded), for experiments: never by default.
+    random_weights_allowed: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -66,9 +68,11 @@ def _hash(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def resolve(name: str, seed: int = 0, task: str | None = None) -> ModelSource:
+def resolve(name: str, seed: int = 0, task: str | None = None, allow_random_weights: bool = False) -> ModelSource:
     """Turns a preset name or a directory path into a ModelSource, or says clearly why not.
-    ``task``: the head to compile; None takes the one config.json's ``architectures`` names."""
+    ``task``: the head to compile; None takes the one config.json's ``architectures`` names.
+    ``allow_random_weights``: a directory's missing weights are drawn at random from ``seed``
+    instead of refused."""
     if task is not None and task not in TASKS:
         close = difflib.get_close_matches(task, TASKS, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]}?" if close else ""
@@ -125,12 +129,13 @@ def resolve(name: str, seed: int = 0, task: str | None = None) -> ModelSource:
         key=f"{resolved.name}-{_hash(str(resolved))[:8]}{_task_suffix(task)}",
         preset=None,
         path=resolved,
-        fingerprint=_hash(config_file.read_text(), *stats, f"task={task}"),
+        fingerprint=_hash(config_file.read_text(), *stats, f"task={task}", *([f"random-seed={seed}"] if allow_random_weights else [])),
         max_positions=_positive(config_json, "max_position_embeddings", 512, config_file),
         vocab_size=_positive(config_json, "vocab_size", 30522, config_file),
         type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file),
         family=model_type,
         task=task,
+        random_weights_allowed=allow_random_weights,
     )
 
 
@@ -204,21 +209,26 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
         torch.manual_seed(seed)
         model = model_class(source)(config)
     else:
-        model = _from_directory(source, attn_implementation)
+        model = _from_directory(source, attn_implementation, seed)
     outputs = TASKS[source.task].outputs
     if getattr(model, "pooler", None) is None:  # DistilBERT, ELECTRA, and encoders saved without one
         outputs = tuple(name for name in outputs if name != "pooler_output")
-    return TaskOutputs(model, source.inputs, outputs).to(getattr(torch, dtype)).eval()
+    wrapped = TaskOutputs(model, source.inputs, outputs).to(getattr(torch, dtype)).eval()
+    wrapped.random_weights = getattr(model, "random_weights", ())
+    return wrapped
 
 
-def _from_directory(source: ModelSource, attn_implementation: str):
+def _from_directory(source: ModelSource, attn_implementation: str, seed: int):
     """The model in a HuggingFace directory, or an InputError: everything read here is the user's
-    files (truncated or garbage weights, weights of other shapes than config.json says)."""
+    files (truncated or garbage weights, weights of other shapes than config.json says, weights
+    missing)."""
+    import torch
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its load report is a table; what matters in it is said below
     hf_logging.disable_progress_bar()
+    torch.manual_seed(seed)  # weights it lacks, where allowed, are the same in every stage's load
     try:
         model, info = model_class(source).from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
                                                           output_loading_info=True, ignore_mismatched_sizes=True)
@@ -237,11 +247,31 @@ def _from_directory(source: ModelSource, attn_implementation: str):
     fixed = TASKS[source.task].fixed_labels
     if fixed and model.config.num_labels != fixed:
         raise InputError(f"'{source.name}' has num_labels {model.config.num_labels}; a {source.task} head has {fixed}")
-    if info["missing_keys"]:
-        missing = sorted(info["missing_keys"])
-        print(f"warning: '{source.name}' has no weights for {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}: "
-              "transformers initialized them at random", file=sys.stderr)
+    model.random_weights = _missing_weights(model, info["missing_keys"])
+    if source.task == DEFAULT_TASK and model.random_weights and all(k.startswith("pooler.") for k in model.random_weights):
+        # An encoder saved without its pooler (sentence-transformers often are): compiled without
+        # it, pooler_output left out, rather than a random one computed.
+        print(f"note: '{source.name}' has no pooler weights: compiled without pooler_output", file=sys.stderr)
+        model.pooler, model.random_weights = None, ()
+    if model.random_weights:
+        names = f"{', '.join(model.random_weights[:4])}{', ...' if len(model.random_weights) > 4 else ''}"
+        if not source.random_weights_allowed:
+            way_out = ("--task feature-extraction compiles the encoder alone" if source.task != DEFAULT_TASK
+                       else "save the model with all its weights")
+            raise InputError(f"'{source.name}' has no weights for {names} ({len(model.random_weights)} tensors): compiled, they "
+                             f"would be random and its answers confidently wrong. {way_out[0].upper()}{way_out[1:]}; "
+                             "--allow-random-weights draws them from --seed, for experiments")
+        print(f"warning: '{source.name}' has no weights for {names}: drawn at random from seed {seed} "
+              "(--allow-random-weights); every report says so", file=sys.stderr)
     return model
+
+
+def _missing_weights(model, missing_keys) -> tuple[str, ...]:
+    """The weights a checkpoint lacks, less those tied on purpose to one it has (a decoder tied to
+    the word embeddings): transformers fills those from their source, not at random."""
+    missing = set(missing_keys)
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return tuple(sorted(key for key in missing if not (key in tied and tied[key] not in missing)))
 
 
 @dataclass(frozen=True)

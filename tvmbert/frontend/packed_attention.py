@@ -47,6 +47,7 @@ def load_packed(source: ModelSource, dtype: str = "float32", seed: int = 0):
         def __init__(self):
             super().__init__()
             self.model, self.input_names, self.output_names = model, input_names(source.inputs), task_outputs.output_names
+            self.random_weights = task_outputs.random_weights
             self.positions = {"rule": family.positions, "pad": int(getattr(model.base_model.embeddings, "padding_idx", None) or 0)}
 
         def forward(self, input_ids, position_ids, token_slot, gather_index, key_mask, token_type_ids=None):

@@ -49,6 +49,7 @@ def build(job: Job, force: bool = False) -> Artifact:
         "build_seconds": round(time.perf_counter() - started, 2),
         "outputs": optimized.meta.get("outputs") or [],
         "packing": optimized.meta.get("packing"),  # a packed build's shape and position rule (packing.py)
+        "random_weights": optimized.meta.get("random_weights", []),  # --allow-random-weights: drawn, not the model's
         "device_modules": device_modules(compiled.executable.mod),
     }
     for kernel in KERNELS:  # calls of our kernels: no task, nothing to tune

@@ -35,7 +35,7 @@ def convert(job: Job, force: bool = False) -> Artifact:
     names = [var.name for var in module["main"].params[inputs:]]
     weights = {name: tensor.numpy() for name, tensor in zip(names, params["main"])}
     meta = {"weights": len(weights), "weight_bytes": int(sum(w.nbytes for w in weights.values())), "outputs": traced.meta["outputs"],
-            "packing": traced.meta.get("packing")}
+            "packing": traced.meta.get("packing"), "random_weights": traced.meta.get("random_weights", [])}
     with stage.writing(meta) as tmp:
         save_module(module, tmp)
         save_params(tmp / PARAMS_FILE, weights)

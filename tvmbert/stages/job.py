@@ -29,7 +29,7 @@ class Job:
         models.stay_offline()
         targets.use_every_core()
         self.config.validate()
-        self.source = models.resolve(self.config.model, self.config.seed, self.config.task)
+        self.source = models.resolve(self.config.model, self.config.seed, self.config.task, self.config.allow_random_weights)
         self.target = targets.resolve(self.config.target)
         if self.config.passes is not None:
             check_pass_names(self.config.passes, "passes")

@@ -57,7 +57,8 @@ def optimize(job: Job, force: bool = False) -> Artifact:
     for name in names:
         module = tvm.transform.Sequential(pass_list((name,), job.pass_context))(module)
         per_pass.append({"pass": name, "ops": count_ops(module)})
-    meta = {"outputs": converted.meta.get("outputs", []), "packing": converted.meta.get("packing"), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
+    meta = {"outputs": converted.meta.get("outputs", []), "packing": converted.meta.get("packing"),
+            "random_weights": converted.meta.get("random_weights", []), "passes": list(names), "ops_before": ops_before, "ops_after": count_ops(module), "per_pass": per_pass}
     with stage.writing(meta) as tmp:
         save_module(module, tmp)
     return stage.written(meta)

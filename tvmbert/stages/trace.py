@@ -60,6 +60,8 @@ def trace(job: Job, force: bool = False) -> Artifact:
             program = torch.export.export(model, tuple(inputs.values()))
     except Exception as exc:
         raise StageFailed(f"torch.export failed for {job.source.name}: {str(exc).splitlines()[0]}") from exc
+    if model.random_weights:  # --allow-random-weights: every later artifact and report carries them
+        meta["random_weights"] = list(model.random_weights)
     meta["outputs"] = [
         {"name": name, "shape": list(spec.shape), "dtype": str(spec.dtype).replace("torch.", "")}
         for name, spec in zip(model.output_names, _output_specs(program))

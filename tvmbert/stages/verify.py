@@ -44,6 +44,7 @@ class VerifyResult:
     samples: int
     target: str
     outputs: list[OutputDiff]
+    random_weights: list[str]  # --allow-random-weights: the weights drawn at random, not the model's
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -114,6 +115,7 @@ def verify(job: Job) -> VerifyResult:
         samples=options.samples,
         target=job.target.key,
         outputs=outputs,
+        random_weights=list(reference.random_weights),
     )
     return result
 

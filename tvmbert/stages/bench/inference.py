@@ -77,7 +77,8 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
     ordered = {name: report[name] for name in engine_names if name in report}
-    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered)}
+    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered),
+            "random_weights": built.meta.get("random_weights", [])}
 
 
 def engine_dtypes(dtype: str, engines) -> dict[str, str]:
@@ -112,7 +113,9 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
             for padding in paddings:
                 actual = Shape(*shaped.inputs.shape, padding)
                 results.append(bench_shape(shaped, actual, engines, threads))
-    report = {"model": job.source.name, "dtype": job.config.dtype, "environment": environment(job, threads),
+    # --allow-random-weights: the weights every engine ran drawn at random, said once for the report.
+    drawn = sorted({name for result in results for name in result.pop("random_weights")})
+    report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn, "environment": environment(job, threads),
               "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})

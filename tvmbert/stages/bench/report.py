@@ -62,6 +62,8 @@ def to_markdown(report: dict, command: str) -> str:
         f"transformers {env['transformers']}; {report['model']}, {report['dtype']}, median ms (p99; after 200 ms idle).",
         "",
     ]
+    if report.get("random_weights"):
+        lines[-1:-1] = ["", f"**Random weights** (`--allow-random-weights`): {', '.join(report['random_weights'])}."]
     names = [name for name in ENGINES if any(name in r["engines"] for r in report["results"])]
     lines.append("| batch x seq | padding | " + " | ".join(names) + " | tvm / best other |")
     lines.append("| --- | --- | " + " | ".join("---" for _ in names) + " | --- |")
