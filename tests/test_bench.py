@@ -34,6 +34,21 @@ def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path):
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_openvino_is_an_engine_checked_and_timed_like_the_others_on_a_named_cpu(tvmbert, tmp_path):
+    outcome = tvmbert("bench", "bert-tiny", "--padding", "0.25", "--engines", "openvino,onnxruntime", *FAST,
+                      "--markdown", str(tmp_path / "b.md"), "--json")
+    assert outcome.code == 0, outcome.stderr
+    report = outcome.json
+    assert report["engines"]["openvino"]["median_ms"] > 0 and report["engine_dtypes"]["openvino"] == "float32"
+    assert report["best_other"] in ("openvino", "onnxruntime")  # the ratio is against the best of every peer
+    environment = report["environment"]
+    assert environment["openvino"] and "family" in environment["cpu"] and "sse4.2" in environment["instruction_sets"]
+    assert "openvino" in (tmp_path / "b.md").read_text()
+    # float64 is not something its CPU plugin computes: said, not timed.
+    wide = tvmbert("bench", "bert-tiny", "--dtype", "float64", "--engines", "openvino", *FAST, "--json")
+    assert wide.code == 0 and "f32 or bf16" in wide.json["engines"]["openvino"]["skipped"]
+
+
 @pytest.mark.slow
 def test_bench_torch_compile(tvmbert):
     outcome = tvmbert("bench", "bert-tiny", "--engines", "torch-compile", *FAST, "--json")

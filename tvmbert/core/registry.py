@@ -65,4 +65,5 @@ ENGINES = {engine.name: engine for engine in (
     BenchEngine("torch-sdpa", "stages.bench.engines:torch_sdpa"),
     BenchEngine("torch-compile", "stages.bench.engines:torch_compile"),
     BenchEngine("onnxruntime", "stages.bench.engines:onnxruntime_engine", requires=("onnxruntime", "onnx", "onnxscript")),
+    BenchEngine("openvino", "stages.bench.engines:openvino_engine", requires=("openvino",)),
 )}

@@ -28,8 +28,11 @@ CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16"
 # 103 ms in fp32, so the cast is also the faster peer. Everything runs in bf16 there (layer norm,
 # softmax, GELU too), so its error against fp32 is larger than TVM's: PEER_CHECK_TOLERANCE.
 # float16 peers stay float32 (PyTorch's CPU fp16 is slow); ONNX Runtime always runs float32.
+# OpenVINO follows PyTorch: its bf16 precision hint (AMX or AVX512-BF16), else f32.
 PEER_DTYPE = {"bfloat16": "bfloat16"}
 PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1}
+IN_PEER_DTYPE = ("torch-eager", "torch-sdpa", "torch-compile", "openvino")  # the engines PEER_DTYPE applies to
+OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def peer_dtype(dtype: str) -> str:
@@ -37,7 +40,7 @@ def peer_dtype(dtype: str) -> str:
 
 
 def check_tolerance(engine: str, dtype: str) -> float:
-    if engine.startswith("torch") and peer_dtype(dtype) != torch_dtype(dtype):
+    if engine in IN_PEER_DTYPE and peer_dtype(dtype) != torch_dtype(dtype):
         return PEER_CHECK_TOLERANCE[dtype]
     return CHECK_TOLERANCE[dtype]
 
@@ -138,6 +141,30 @@ def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
     session = onnx_session(job, job.stage_dir("build").parent / "onnx" / "model.onnx", inputs, threads)
     feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
     return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
+
+
+def openvino_engine(job: Job, inputs, threads: int) -> Engine:
+    """OpenVINO's CPU plugin on the same PyTorch model (``openvino.convert_model``), configured as
+    its docs advise for latency: one stream, the bench's threads, the precision asked for (it
+    would otherwise run bf16 on CPUs that have it)."""
+    import openvino
+
+    precision = OPENVINO_PRECISION.get(peer_dtype(job.config.dtype))
+    if precision is None:
+        raise RuntimeError(f"OpenVINO's CPU plugin computes in f32 or bf16, not {peer_dtype(job.config.dtype)}")
+    model = models.load(job.source, peer_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
+    converted = openvino.convert_model(model, example_input=tuple(inputs))
+    compiled = openvino.Core().compile_model(converted, "CPU", {
+        "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+    feed = [t.numpy() for t in inputs]
+
+    def outputs():
+        request.infer(feed)
+        return [np.array(request.get_output_tensor(i).data, dtype=np.float32 if precision == "bf16" else None)
+                for i in range(len(compiled.outputs))]
+
+    return Engine("openvino", lambda: request.infer(feed), outputs)
 
 
 def _available(name: str) -> str | None:

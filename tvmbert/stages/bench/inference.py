@@ -11,7 +11,16 @@ from tvmbert.core.config import torch_dtype
 from tvmbert.core.errors import InputError, ToolchainError
 from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
-from tvmbert.stages.bench.engines import DEFAULT_ENGINES, _available, _check, _make, check_tolerance, peer_dtype, reference
+from tvmbert.stages.bench.engines import (
+    DEFAULT_ENGINES,
+    IN_PEER_DTYPE,
+    _available,
+    _check,
+    _make,
+    check_tolerance,
+    peer_dtype,
+    reference,
+)
 from tvmbert.stages.bench.timing import _ratios, _summary, environment, measure, set_threads
 from tvmbert.stages.build import build
 from tvmbert.stages.job import Job
@@ -88,7 +97,7 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
         if name.startswith("tvm"):
             described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
                                "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32"}.get(dtype, dtype)
-        elif name.startswith("torch"):
+        elif name in IN_PEER_DTYPE:
             peer = peer_dtype(dtype)
             described[name] = f"{peer} (model cast to {peer})" if peer != torch_dtype(dtype) else peer
         else:

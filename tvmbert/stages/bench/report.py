@@ -51,14 +51,18 @@ def plot(report: dict) -> bytes:
     return png.getvalue()
 
 
+WIDEST_SETS = ("avx2", "avx512f", "avx512vnni", "avx512bf16", "avxvnni", "amx-bf16")  # what tells CPUs apart in a table
+
+
 def to_markdown(report: dict, command: str) -> str:
     """A results table for docs/, with the command and the environment that produced it."""
     env = report["environment"]
     lines = [
         f"Command: `{command}`",
         "",
-        f"Machine: {env['cpu']}, {env['threads']} threads of {env['cores']} cores, target `{env['target']}`; "
-        f"torch {env['torch']}, apache-tvm {env['apache-tvm']}, onnxruntime {env['onnxruntime']}, "
+        f"Machine: {env['cpu']} ({', '.join(s for s in env['instruction_sets'] if s in WIDEST_SETS)}), {env['threads']} threads of {env['cores']} cores, "
+        f"target `{env['target']}`; torch {env['torch']}, apache-tvm {env['apache-tvm']}, onnxruntime {env['onnxruntime']}, "
+        f"openvino {env['openvino']}, "
         f"transformers {env['transformers']}; {report['model']}, {report['dtype']}, median ms (p99; after 200 ms idle).",
         "",
     ]

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from tvmbert.core import targets
 from tvmbert.core.targets import HOST_CPUS, cpu_count
 from tvmbert.stages.bench.engines import Engine
 from tvmbert.stages.job import Job
@@ -117,17 +118,25 @@ def environment(job: Job, threads: int) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    cpu = platform.processor()
+    cpu = {"model name": platform.processor()}
     try:
         with open("/proc/cpuinfo") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+            for line in handle:
+                if not line.strip():
+                    break  # the first processor says it all
+                key, _, value = line.partition(":")
+                cpu[key.strip()] = value.strip()
     except OSError:
         pass
+    family = f" (family {cpu['cpu family']} model {cpu['model']})" if "cpu family" in cpu and "model" in cpu else ""
+    flags = targets.host_flags()
     return {
-        "cpu": cpu,
+        "cpu": cpu["model name"] + family,
+        # What the figures were measured with: an AVX2 machine and an AVX-512 one are different products.
+        "instruction_sets": [name for name, flag in targets.INSTRUCTION_SETS.items() if flag in flags] + (["amx-bf16"] if "amx_bf16" in flags else []),
         "cores": cpu_count(),
         "threads": threads,
         "target": job.target.key,
         "python": platform.python_version(),
-        **{name: version(name) for name in ("torch", "apache-tvm", "onnxruntime", "transformers")},
+        **{name: version(name) for name in ("torch", "apache-tvm", "onnxruntime", "openvino", "transformers")},
     }
