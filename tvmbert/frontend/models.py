@@ -7,6 +7,7 @@ directories are opened with ``local_files_only``.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEFAULT_TASK, FAMILIES, PRESETS, TASKS, Family, preset_config_kwargs, task_of_architecture
+from tvmbert.core.memory import ModelSizes
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +178,23 @@ def preset_config(name: str, task: str = DEFAULT_TASK):
     if TASKS[task].fixed_labels:
         sizes["num_labels"] = TASKS[task].fixed_labels
     return getattr(transformers, FAMILIES[preset.family].config_class)(**sizes, attn_implementation="eager")
+
+
+@functools.cache
+def sizes(source: ModelSource) -> ModelSizes:
+    """What the memory estimate needs, from the config alone: the model built on torch's meta
+    device (no weights read or allocated) for its parameter count."""
+    import torch
+    import transformers
+
+    if source.preset is not None:
+        config = preset_config(source.preset, source.task)
+    else:
+        config = transformers.AutoConfig.from_pretrained(source.path, local_files_only=True)
+    with torch.device("meta"):
+        model = model_class(source)(config)
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None) or 4 * config.hidden_size
+    return ModelSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, intermediate, config.num_attention_heads)
 
 
 def model_class(source: ModelSource):

@@ -19,6 +19,7 @@ from tvmbert.tuning.compile import WEIGHT_LAYOUT_ENTRY, compile_tuned
 
 
 def build(job: Job, force: bool = False) -> Artifact:
+    job.check_memory()  # compiling it, and running it where verify and bench do: before any stage's work
     optimized = job.upstream("optimize", optimize)
     log_dir = job.log_dir()
     stage = CachedStage(job, "build", optimize=optimized.fingerprint, target=job.target.config,

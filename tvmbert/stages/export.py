@@ -72,6 +72,7 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
                          "the model); export it without --packed")
     for seq_len in seq_lens:
         models.check_seq_len(job.source, seq_len)
+    job.check_memory([(batch, seq_len) for batch in batches for seq_len in seq_lens])
     variants = _variant_jobs(job, cpus or options.cpus or ("native",))
     if not job.target.device_present():
         job.say(f"export: no {job.target.kind} device here: buckets are built, but not timed (the loader weighs them by size)")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from tvmbert.core import artifacts, targets
+from tvmbert.core import artifacts, memory, targets
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.config import JobConfig
 from tvmbert.core.console import to_stderr
@@ -51,10 +51,20 @@ class Job:
 
     @property
     def shape_key(self) -> str:
-        known = models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text)
-        batch, seq_len = known or self.inputs.shape
+        batch, seq_len = self.shape
         tokens = f"-t{self.config.tokens}" if self.config.tokens is not None else ""
         return f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(batch, seq_len) of the example inputs, tokenizing only where the text decides it."""
+        return models.input_shape(self.source, self.config.batch, self.config.seq_len, self.config.text) or self.inputs.shape
+
+    def check_memory(self, shapes: list[tuple[int, int]] | None = None) -> memory.Estimate:
+        """Before work that could exhaust the machine's memory: exit 2 now rather than the OOM
+        killer later. ``shapes``: (batch, seq_len) pairs, default the job's."""
+        shapes = shapes or [self.shape]
+        return memory.check(models.sizes(self.source), shapes, self.config.dtype, f"{self.source.name} ({self.config.dtype})")
 
     @property
     def pass_context(self) -> PassContext:

@@ -52,6 +52,7 @@ def trace(job: Job, force: bool = False) -> Artifact:
                         **({"packing": meta["packing"]} if job.packed else {}))
     if hit := stage.reused(force):
         return hit
+    job.check_memory()
     packed = f", packed: {job.config.tokens} tokens" if job.packed else ""
     job.say(f"trace: exporting {job.source.name} ({batch} x {seq_len}{packed}, {job.config.dtype}) with torch.export")
     model = model or models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
