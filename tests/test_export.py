@@ -154,6 +154,54 @@ def test_an_altered_or_missing_file_fails_the_checksum(package, tmp_path):
         load(tmp_path)
 
 
+def test_an_edited_manifest_is_refused_and_an_odd_one_is_a_package_error(package, tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tvmbert.deploy.package import MANIFEST_CHECKSUM_FILE
+
+    copy = tmp_path / "package"
+    shutil.copytree(package, copy)
+    manifest = json.loads((copy / MANIFEST_FILE).read_text())
+    edited = dict(manifest, outputs=manifest["outputs"][:1])
+    (copy / MANIFEST_FILE).write_text(json.dumps(edited))
+    with pytest.raises(PackageError, match="edited or damaged after export"):
+        load(copy)
+    # Without its checksum (a package written before them): whatever the manifest holds, load
+    # works or says the package is broken, never another exception, never a file outside it.
+    (copy / MANIFEST_CHECKSUM_FILE).unlink()
+    paths = []
+
+    def walk(node, at):
+        paths.append(at)
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, child in children:
+            walk(child, (*at, key))
+
+    walk(manifest, ())
+    values = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**12), st.text(max_size=8), st.just("../../etc/passwd"),
+                       st.lists(st.integers(0, 3), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(paths[1:]), st.one_of(st.just("delete"), values))
+    def odd(at, value):
+        changed = json.loads(json.dumps(manifest))
+        parent = changed
+        for key in at[:-1]:
+            parent = parent[key]
+        if value == "delete":
+            del parent[at[-1]]
+        else:
+            parent[at[-1]] = value
+        (copy / MANIFEST_FILE).write_text(json.dumps(changed))
+        try:
+            load(copy, warn=lambda message: None)
+        except PackageError as error:
+            assert "\n" not in str(error)
+
+    odd()
+
+
 @pytest.mark.skipif(UNRUNNABLE_CPU is None, reason="no CPU LLVM knows has an instruction set this one lacks")
 def test_a_fleet_package_runs_the_build_this_cpu_can_and_refuses_one_it_cannot(package, model, workdir, tmp_path):
     fleet = tmp_path / "fleet"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tvmbert.core import targets
+from tvmbert.core import artifacts, targets
 from tvmbert.core.errors import InputError, PackageError
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT, as_integers, check_range, is_torch
@@ -28,6 +28,10 @@ from tvmbert.deploy.loader import load_library
 from tvmbert.deploy.weights import from_bits
 
 MANIFEST_FILE = "manifest.json"
+# The manifest's own checksum (it holds every other file's): a manifest edited or damaged after
+# export (a bucket's shape, a library's name) is refused rather than misread. Packages written
+# before it have none, and load without.
+MANIFEST_CHECKSUM_FILE = "manifest.sha256"
 FORMAT = 1  # bump when the package layout changes meaning
 PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would run them as padded ones
 VARIANTS_FORMAT = 3  # a fleet package: a build per CPU, the loader picks one ("variants")
@@ -75,23 +79,31 @@ class ExportedModel:
 
         self.path = Path(path)
         self.manifest = _read_manifest(self.path)
-        _verify_files(self.path, self.manifest["files"])
-        self.variant = self._choose_variant(warn or (lambda message: warnings.warn(message, stacklevel=3)), variant)
-        target = self.variant["target"]
-        self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[target["kind"]](0)
-        self.inputs = self.manifest["inputs"]  # [{name, limit, pad}], in the order main takes them
-        self.outputs = self.manifest["outputs"]  # [{name, per_token}]
-        self.input_names = tuple(i["name"] for i in self.inputs)
-        self.output_names = tuple(o["name"] for o in self.outputs)
-        self.buckets = _monotone([Bucket(b["batch"], b["seq_len"], b["library"], tuple(b["weights"]), b.get("cost_ms") or
-                                         float(b.get("tokens") or b["batch"] * b["seq_len"]), b.get("tokens"))
-                                  for b in self.variant["buckets"]])
-        self.max_batch = max(b.batch for b in self.buckets)
-        self.max_seq_len = max(b.seq_len for b in self.buckets)
-        amx = bool(self.variant.get("amx_kernels"))
-        self._mains = [relax.VirtualMachine(load_library(self.path / b.library, target, amx, PackageError), self.device)["main"]
-                       for b in self.buckets]
-        self._weights = self._load_weights()
+        try:  # a manifest of another shape than export writes (hand-made, or of a package written before checksums)
+            _verify_files(self.path, self.manifest["files"])
+            self.variant = self._choose_variant(warn or (lambda message: warnings.warn(message, stacklevel=3)), variant)
+            target = self.variant["target"]
+            self.device = device or {"llvm": tvm.cpu, "cuda": tvm.cuda, "rocm": tvm.rocm}[target["kind"]](0)
+            self.inputs = self.manifest["inputs"]  # [{name, limit, pad}], in the order main takes them
+            self.outputs = self.manifest["outputs"]  # [{name, per_token}]
+            self.input_names = tuple(i["name"] for i in self.inputs)
+            self.output_names = tuple(o["name"] for o in self.outputs)
+            self.buckets = _monotone([Bucket(int(b["batch"]), int(b["seq_len"]), b["library"], tuple(b["weights"]),
+                                             float(b.get("cost_ms") or b.get("tokens") or b["batch"] * b["seq_len"]), b.get("tokens"))
+                                      for b in self.variant["buckets"]])
+            self.max_batch = max(b.batch for b in self.buckets)
+            self.max_seq_len = max(b.seq_len for b in self.buckets)
+            unlisted = [name for name in (*(b.library for b in self.buckets), self.manifest["weights_file"])
+                        if name not in self.manifest["files"]]
+            if unlisted:
+                raise PackageError(f"{self.path}: {', '.join(unlisted)} not among the package's checksummed files")
+            amx = bool(self.variant.get("amx_kernels"))
+            self._mains = [relax.VirtualMachine(load_library(self.path / b.library, target, amx, PackageError), self.device)["main"]
+                           for b in self.buckets]
+            self._weights = self._load_weights()
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise PackageError(f"{self.path / MANIFEST_FILE}: not a manifest tvmbert export writes ({type(exc).__name__}: "
+                               f"{exc}); export the package again") from None
         self._lock = threading.Lock()
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()
@@ -366,10 +378,20 @@ def _monotone(buckets: list[Bucket]) -> list[Bucket]:
     return [replace(b, cost_ms=max(o.cost_ms for o in buckets if b.contains(o))) for b in buckets]
 
 
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """The manifest and its checksum, each written atomically."""
+    artifacts.write_json(folder / MANIFEST_FILE, manifest)
+    artifacts.write_text(folder / MANIFEST_CHECKSUM_FILE, sha256(folder / MANIFEST_FILE) + "\n")
+
+
 def _read_manifest(path: Path) -> dict:
     file = path / MANIFEST_FILE
     if not file.is_file():
         raise PackageError(f"{path} is not a tvmbert package: it has no {MANIFEST_FILE} (write one with `tvmbert export`)")
+    checksum = path / MANIFEST_CHECKSUM_FILE
+    if checksum.is_file() and checksum.read_text().strip() != sha256(file):
+        raise PackageError(f"{path}: {MANIFEST_FILE} does not match {MANIFEST_CHECKSUM_FILE}: it was edited or damaged after "
+                           "export; export the package again")
     try:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -382,6 +404,8 @@ def _read_manifest(path: Path) -> dict:
 
 def _verify_files(path: Path, files: dict[str, str]) -> None:
     for name, expected in sorted(files.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise PackageError(f"{path}: {MANIFEST_FILE} names {name}, outside the package")
         file = path / name
         if not file.is_file():
             raise PackageError(f"{path}: {name} is missing")

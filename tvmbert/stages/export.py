@@ -28,7 +28,7 @@ from tvmbert.core.families import TASKS
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT
 from tvmbert.deploy.loader import LIBRARY_FILE
-from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, PACKED_FORMAT, VARIANTS_FORMAT, load, sha256, variants_of
+from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, PACKED_FORMAT, VARIANTS_FORMAT, load, sha256, variants_of, write_manifest
 from tvmbert.deploy.weights import PARAMS_FILE, load_params
 from tvmbert.frontend import models
 from tvmbert.stages.build import build
@@ -222,7 +222,7 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
                      "python": platform.python_version()},
     }
     manifest["files"] = {str(path.relative_to(folder)): sha256(path) for path in sorted(folder.rglob("*")) if path.is_file()}
-    artifacts.write_json(folder / MANIFEST_FILE, manifest)
+    write_manifest(folder, manifest)
     return manifest
 
 
@@ -292,7 +292,7 @@ def _time_buckets(folder: Path, manifest: dict) -> None:
             shape = (bucket["batch"], bucket["seq_len"], bucket.get("tokens"))
             if "cost_ms" not in bucket and shape in timed:
                 bucket["cost_ms"] = timed[shape]
-    artifacts.write_json(folder / MANIFEST_FILE, manifest)
+    write_manifest(folder, manifest)
 
 
 def _version() -> str:
