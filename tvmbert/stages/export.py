@@ -28,7 +28,16 @@ from tvmbert.core.families import TASKS
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT
 from tvmbert.deploy.loader import LIBRARY_FILE
-from tvmbert.deploy.package import FORMAT, MANIFEST_FILE, PACKED_FORMAT, VARIANTS_FORMAT, load, sha256, variants_of, write_manifest
+from tvmbert.deploy.package import (
+    FORMAT,
+    MANIFEST_FILE,
+    PACKED_FORMAT,
+    VARIANTS_FORMAT,
+    load,
+    sha256,
+    variants_of,
+    write_manifest,
+)
 from tvmbert.deploy.weights import PARAMS_FILE, load_params
 from tvmbert.frontend import models
 from tvmbert.stages.build import build
