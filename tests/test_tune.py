@@ -159,7 +159,7 @@ def test_garbage_line_is_skipped_with_a_warning_and_kept(tvmbert, tuned, tmp_pat
     again = tvmbert("tune", "bert-tiny", "--seq-len", "8", "--trials", "4", "--trials-per-task", "4",
                     "--log-dir", str(copy), "--json")
     assert again.code == 0, again.stderr
-    assert again.json["new_trials"] == 4
+    assert 1 <= again.json["new_trials"] <= 4  # the task funded may have fewer candidates than its budget
     text = path.read_text()
     assert text.startswith(good)  # good records never rewritten away
     assert '[0, {"truncated": \n' in text  # nor the bad line: it is skipped, not deleted
@@ -192,6 +192,23 @@ def test_kill_9_loses_at_most_the_batch_in_flight(tmp_path, workdir):
     assert result["new_trials"] > 0
     assert all(t["status"] == "done" for t in result["tasks"] if t["budget"])
     assert len(after.splitlines()) >= len(before.splitlines()) - 1 + result["new_trials"]
+
+
+def test_a_cpu_tune_registers_the_x86_tensor_intrinsics_only():
+    """TVM's registry of every backend's intrinsics costs a tuning run 20-40 s; a CPU needs x86's."""
+    probe = (
+        "import sys\n"
+        "from tvm.s_tir import TensorIntrin\n"
+        "from tvmbert.core.targets import resolve\n"
+        "from tvmbert.tuning.search import register_tensor_intrinsics\n"
+        "register_tensor_intrinsics(resolve('llvm -mcpu=sapphirerapids'))\n"
+        "import tvm.s_tir.tensor_intrin\n"  # what TuneContext imports: the package registered above, as it is
+        "TensorIntrin.get('dot_16x4_vnni')\n"
+        "print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('tvm.s_tir.tensor_intrin.')))\n"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.strip() == "['x86']"
 
 
 def test_plan_weights_tasks_by_cost_and_respects_caps():

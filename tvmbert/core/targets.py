@@ -29,6 +29,7 @@ class TargetKind:
     defaults: dict[str, Callable[[], object]]  # options filled in, in this order, when not given
     llvm_triple: Callable[[], str] | None = None  # mcpu is an LLVM CPU of this triple (unless mtriple says): checked
     toolchain: Callable[[], None] | None = None  # checks the tools a build needs on this machine
+    tensor_intrinsics: tuple[str, ...] = ()  # the modules of tvm.s_tir.tensor_intrin its schedules may tensorize with
 
     @property
     def is_gpu(self) -> bool:
@@ -37,11 +38,11 @@ class TargetKind:
 
 KINDS = {kind.name: kind for kind in (
     TargetKind("llvm", "cpu", "mcpu", {"mcpu": lambda: host_mcpu(), "num-cores": lambda: cpu_count()},
-               llvm_triple=lambda: _host_triple()),
+               llvm_triple=lambda: _host_triple(), tensor_intrinsics=("x86",)),
     TargetKind("cuda", "cuda", "arch", {"arch": lambda: _local_cuda_arch() or DEFAULT_CUDA_ARCH},
-               toolchain=toolchain.check_cuda),
+               toolchain=toolchain.check_cuda, tensor_intrinsics=("cuda",)),
     TargetKind("rocm", "rocm", "mcpu", {"mcpu": lambda: DEFAULT_ROCM_MCPU}, llvm_triple=lambda: "amdgcn-amd-amdhsa",
-               toolchain=toolchain.check_rocm),
+               toolchain=toolchain.check_rocm, tensor_intrinsics=("rocm",)),
 )}
 
 
