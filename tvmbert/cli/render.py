@@ -65,6 +65,11 @@ def verify(result):
     for o in result["outputs"]:
         table.add_row(o["name"], "x".join(map(str, o["shape"])), f"{o['max_abs_diff']:.3g}", f"{o['max_rel_diff']:.3g}")
     out.print(table)
+    on = f"{result['texts']} real sentences and {result['samples']} inputs" if result["texts"] else f"{result['samples']} inputs"
+    for metric in result["accuracy"]:
+        value = "n/a (too few rows)" if metric["value"] is None else f"{metric['value']:.5f}"
+        mark = "" if metric["passed"] else " [red]under the bar[/red]"
+        out.print(f"  {metric['name']}: {value} (bar {metric['bar']}, {on}){mark}")
     verdict = "[green]PASSED[/green]" if result["passed"] else "[red]FAILED[/red]"
     out.print(f"verify: {verdict} max abs diff {result['max_abs_diff']:.3g} (tolerance {result['tolerance']:.3g})")
     random_weights(result)

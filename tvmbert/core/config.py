@@ -57,9 +57,11 @@ class BenchOptions:
 class VerifyOptions:
     samples: int = 3  # inputs compared: the example input, then seeded random ones with padding
     tolerance: float | None = None  # max abs diff allowed; default depends on dtype
+    texts: int | None = None  # real sentences measured too (a model with a tokenizer): None, verify's DEFAULT_TEXTS
 
     def validate(self, where: str) -> None:
         _require(self.samples >= 1, where, "verify.samples", "a number >= 1")
+        _require(self.texts is None or self.texts >= 0, where, "verify.texts", "a number >= 0")
         _require(self.tolerance is None or self.tolerance > 0, where, "verify.tolerance", "a number > 0")
 
 

@@ -70,15 +70,18 @@ class Task:
     per_token: tuple[str, ...]  # outputs with one row per token: compared on real tokens only
     fixed_labels: int | None = None  # QA heads have exactly two (start, end), whatever config says
     packable: bool = True  # its head works token by token (or is the pooler): a packed build can run it
+    accuracy: str = "tag"  # what its users compare (core/accuracy.head_metrics): embedding, label, tag or span
 
 
 TASKS: dict[str, Task] = {
-    "feature-extraction": Task("Model", ("last_hidden_state", "pooler_output"), per_token=("last_hidden_state",)),
+    "feature-extraction": Task("Model", ("last_hidden_state", "pooler_output"), per_token=("last_hidden_state",),
+                               accuracy="embedding"),
     # Each family's classifier reads the first token inside the model, of a [batch, tokens] layout.
-    "text-classification": Task("ForSequenceClassification", ("logits",), per_token=(), packable=False),
+    "text-classification": Task("ForSequenceClassification", ("logits",), per_token=(), packable=False,
+                                accuracy="label"),
     "token-classification": Task("ForTokenClassification", ("logits",), per_token=("logits",)),
     "question-answering": Task("ForQuestionAnswering", ("start_logits", "end_logits"),
-                               per_token=("start_logits", "end_logits"), fixed_labels=2),
+                               per_token=("start_logits", "end_logits"), fixed_labels=2, accuracy="span"),
     "fill-mask": Task("ForMaskedLM", ("logits",), per_token=("logits",)),
 }
 DEFAULT_TASK = "feature-extraction"

