@@ -20,10 +20,10 @@ demo: install
 	$(BIN)/tvmbert run configs/demo.yaml
 
 test: install
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n 2 --durations=25
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n 2 -m "not slow"
 
 lint: install
 	$(BIN)/ruff check tvmbert tests

@@ -25,11 +25,13 @@ DEFAULT_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat
 FAST_MATH_TOLERANCE = 1e-2
 # What each head's users compare with fp32 (core/accuracy.py), the least value that passes, by
 # dtype. fp32 and fp64 are held to the max abs diff already; their bars only catch a metric gone
-# wrong. The reduced precisions' bars are those int8 is held to by the issue that asks for it
-# (cosine and Spearman >= 0.99 on all-MiniLM-L6-v2).
+# wrong. Spearman's is 0.99 there too: a random-weight model's sentence embeddings are all nearly
+# alike (every pairwise similarity within ~1e-4), and fp32's rounding (max abs diff 4.8e-7) then
+# reorders them: 0.9989 over 500 sentences. The reduced precisions' bars are those int8 is held
+# to by the issue that asks for it (cosine and Spearman >= 0.99 on all-MiniLM-L6-v2).
 ACCURACY_BARS = {
-    "float32": {"cosine_min": 0.9999, "cosine_mean": 0.9999, "spearman": 0.999, "agreement": 1.0},
-    "float64": {"cosine_min": 0.9999, "cosine_mean": 0.9999, "spearman": 0.999, "agreement": 1.0},
+    "float32": {"cosine_min": 0.9999, "cosine_mean": 0.9999, "spearman": 0.99, "agreement": 1.0},
+    "float64": {"cosine_min": 0.9999, "cosine_mean": 0.9999, "spearman": 0.99, "agreement": 1.0},
     "float16": {"cosine_min": 0.99, "cosine_mean": 0.995, "spearman": 0.99, "agreement": 0.98},
     "bfloat16": {"cosine_min": 0.99, "cosine_mean": 0.995, "spearman": 0.99, "agreement": 0.98},
 }
