@@ -34,8 +34,7 @@ def test_noisy_embeddings_fail_the_bar_and_the_line_says_by_how_much():
     noisy = accuracy.embedding_metrics(want + rng.normal(0, 0.5, want.shape), want, INT8_GOAL)
     failed = {m.name: m for m in noisy if not m.passed}
     assert {"cosine_min", "cosine_mean", "spearman"} <= set(failed)
-    result = {"max_abs_diff": 0.0, "tolerance": 1.0,
-              "accuracy": [{"name": m.name, "value": m.value, "bar": m.bar, "passed": m.passed, "what": m.what} for m in noisy]}
+    result = {"max_abs_diff": 0.0, "tolerance": 1.0, "accuracy": [m.to_json() for m in noisy]}
     line = failure(result)
     shortfall = INT8_GOAL["cosine_min"] - failed["cosine_min"].value
     assert line.startswith("verify failed: cosine_min ") and f"short by {shortfall:.4f}" in line
@@ -50,7 +49,9 @@ def test_too_few_rows_give_no_rank_correlation_rather_than_a_meaningless_one():
 def test_a_label_flip_counts_unless_fp32_itself_was_within_the_tolerance():
     want = np.array([[0.0, 1.0], [0.0, 1e-6], [2.0, 0.0]])
     got = np.array([[1.0, 0.0], [1e-6, 0.0], [2.0, 0.0]])  # rows 0 and 1 flipped; row 1 was a tie
-    (metric,) = accuracy.head_metrics("label", [got], [want], np.ones((3, 1)), INT8_GOAL, tie=1e-4)
+    label = accuracy.HEAD_KINDS["label"]
+    mask = np.ones((3, 1))
+    (metric,) = label.metrics(label.rows([got], mask), label.rows([want], mask), INT8_GOAL, 1e-4)
     assert metric.value == pytest.approx(2 / 3) and not metric.passed
 
 

@@ -1,11 +1,13 @@
 """What a user of each head compares between a build and fp32 PyTorch, beyond the largest
 difference: sentence embeddings by their cosine and by how they rank each other's similarity;
-labels, tags and answer spans by agreement with fp32's choice. NumPy only (verify and bench
-both use it)."""
+labels, tags and answer spans by agreement with fp32's choice. NumPy only. Each head kind
+reduces one input's outputs to the rows its metrics compare (an embedding, a choice and its
+margin, a span), so that a caller keeps those, not every logit of every input."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -23,6 +25,9 @@ class Metric:
     @property
     def passed(self) -> bool:
         return self.value is None or self.value >= self.bar
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
 
 
 def mean_pooled(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -75,11 +80,6 @@ def embedding_metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float])
     ]
 
 
-def agreement(got: np.ndarray, want: np.ndarray) -> float:
-    """The share of rows whose argmax (the label, tag or token chosen) is fp32's."""
-    return float((got.argmax(axis=-1) == want.argmax(axis=-1)).mean())
-
-
 def best_spans(start: np.ndarray, end: np.ndarray, mask: np.ndarray, max_length: int = 30) -> np.ndarray:
     """[rows, 2]: the (start, end) with the highest start + end logit, start <= end < start +
     max_length, both on real tokens: the answer a QA pipeline returns."""
@@ -94,31 +94,46 @@ def best_spans(start: np.ndarray, end: np.ndarray, mask: np.ndarray, max_length:
     return np.stack([best // start.shape[1], best % start.shape[1]], axis=1)
 
 
-def _real_rows(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    return values[mask.astype(bool)]
+def choices(logits: np.ndarray) -> np.ndarray:
+    """[rows, 2]: each row's argmax and the margin of its top logit over the second (inf with one)."""
+    logits = logits.astype(np.float64)
+    top_two = np.sort(logits, axis=-1)[:, -2:] if logits.shape[-1] > 1 else None
+    margin = top_two[:, 1] - top_two[:, 0] if top_two is not None else np.full(len(logits), np.inf)
+    return np.stack([logits.argmax(axis=-1).astype(np.float64), margin], axis=1)
 
 
-def _agreement_metric(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float, what: str) -> Metric:
-    """A row whose fp32 top two lie within ``tie`` (the dtype's max-abs tolerance, which already
-    lets each move that far) may pick either: only a choice fp32 makes by more counts."""
-    top_two = np.sort(want.astype(np.float64), axis=-1)[:, -2:] if want.shape[-1] > 1 else None
-    decided = (top_two[:, 1] - top_two[:, 0] > 2 * tie) if top_two is not None else np.ones(len(want), bool)
-    same = got.argmax(axis=-1) == want.argmax(axis=-1)
-    return Metric("agreement", float((same | ~decided).mean()) if len(want) else None, bars["agreement"], what)
+def _agreement(what: str):
+    def metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float) -> list[Metric]:
+        """``got``/``want``: ``choices`` rows. A row whose fp32 top two lie within ``tie`` (the
+        dtype's max-abs tolerance, which already lets each move that far) may pick either: only a
+        choice fp32 makes by more counts."""
+        same = (got[:, 0] == want[:, 0]) | (want[:, 1] <= 2 * tie)
+        return [Metric("agreement", float(same.mean()) if len(want) else None, bars["agreement"], what)]
+
+    return metrics
 
 
-def head_metrics(kind: str, got: list[np.ndarray], want: list[np.ndarray], mask: np.ndarray, bars: dict[str, float],
-                 tie: float) -> list[Metric]:
-    """``kind``: the head's ``families.Task.accuracy``; ``got``/``want``: its outputs, rows of
-    every input stacked; ``mask``: their attention mask; ``tie``: see ``_agreement_metric``."""
-    if kind == "embedding":
-        return embedding_metrics(mean_pooled(got[0], mask), mean_pooled(want[0], mask), bars)
-    if kind == "label":
-        return [_agreement_metric(got[0], want[0], bars, tie, "the share of texts given fp32's label")]
-    if kind == "tag":
-        return [_agreement_metric(_real_rows(got[0], mask), _real_rows(want[0], mask), bars, tie,
-                                  "the share of tokens given fp32's tag (or top-1 token)")]
-    if kind == "span":
-        same = (best_spans(got[0], got[1], mask) == best_spans(want[0], want[1], mask)).all(axis=1)
-        return [Metric("agreement", float(same.mean()), bars["agreement"], "the share of questions given fp32's answer span")]
-    raise ValueError(f"no accuracy metrics for heads of kind {kind!r}")
+def _span_metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float) -> list[Metric]:
+    same = (got == want).all(axis=1)
+    return [Metric("agreement", float(same.mean()), bars["agreement"], "the share of questions given fp32's answer span")]
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """What a head's users compare: ``rows`` reduces one input's outputs (and its attention mask)
+    to the rows compared; ``metrics`` compares a build's rows with fp32's (bars by metric name,
+    ``tie`` the dtype's max-abs tolerance)."""
+
+    rows: Callable[[list[np.ndarray], np.ndarray], np.ndarray]
+    metrics: Callable[[np.ndarray, np.ndarray, dict[str, float], float], list[Metric]]
+
+
+# families.Task.accuracy names one of these.
+HEAD_KINDS = {
+    "embedding": HeadKind(lambda outputs, mask: mean_pooled(outputs[0], mask),
+                          lambda got, want, bars, tie: embedding_metrics(got, want, bars)),
+    "label": HeadKind(lambda outputs, mask: choices(outputs[0]), _agreement("the share of texts given fp32's label")),
+    "tag": HeadKind(lambda outputs, mask: choices(outputs[0][mask.astype(bool)]),
+                    _agreement("the share of tokens given fp32's tag (or top-1 token)")),
+    "span": HeadKind(lambda outputs, mask: best_spans(outputs[0], outputs[1], mask), _span_metrics),
+}

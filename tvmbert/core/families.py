@@ -70,7 +70,7 @@ class Task:
     per_token: tuple[str, ...]  # outputs with one row per token: compared on real tokens only
     fixed_labels: int | None = None  # QA heads have exactly two (start, end), whatever config says
     packable: bool = True  # its head works token by token (or is the pooler): a packed build can run it
-    accuracy: str = "tag"  # what its users compare (core/accuracy.head_metrics): embedding, label, tag or span
+    accuracy: str = "tag"  # what its users compare: a core/accuracy.HEAD_KINDS key
 
 
 TASKS: dict[str, Task] = {

@@ -107,14 +107,20 @@ def verify(job: Job) -> VerifyResult:
     # tolerance) is the samples', as it always was (all-MiniLM-L6-v2 fp32 over 500 sentences: 1.07e-4).
     sentences = [t.as_tuple() for t in models.tokenized_texts(job.source, texts.reference_sentences(text_count), *job.inputs.shape)] \
         if text_count else []
-    seen: list[tuple[list, list, np.ndarray]] = []  # (actual, expected, mask) of every input, for the accuracy metrics
+    batch = job.inputs.shape[0]
+    # Rows of each input that are its own: the last batch of sentences is filled up with repeats.
+    own_rows = [batch] * len(samples) + [min(batch, text_count - i * batch) for i in range(len(sentences))]
+    head = accuracy.HEAD_KINDS[TASKS[job.source.task].accuracy]
+    compared: tuple[list, list] = ([], [])  # the head's rows of each input: the build's, fp32's
     for number, sample in enumerate(samples + sentences):
         with torch.no_grad():
             expected = [t.numpy() for t in reference(*sample)]
         actual = compiled([t.numpy() for t in sample])
         # A packed build computes each row's tokens only: per-token outputs compared up to its length.
         mask = sample[job.inputs.names.index("attention_mask")].numpy()
-        seen.append((actual, expected, mask))
+        rows = own_rows[number]
+        for into, outputs in zip(compared, (actual, expected)):
+            into.append(head.rows([o[:rows] for o in outputs], mask[:rows]))
         if number >= len(samples):
             continue
         lengths = packing.lengths(mask, mask.shape)
@@ -133,7 +139,7 @@ def verify(job: Job) -> VerifyResult:
             )
     outputs = [worst[i] for i in sorted(worst)]
     max_abs = max(o.max_abs_diff for o in outputs)
-    metrics = _accuracy(job, seen, tolerance)
+    metrics = head.metrics(np.concatenate(compared[0]), np.concatenate(compared[1]), ACCURACY_BARS[job.config.dtype], tolerance)
     result = VerifyResult(
         passed=bool(max_abs <= tolerance) and all(m.passed for m in metrics),
         max_abs_diff=max_abs,
@@ -145,7 +151,7 @@ def verify(job: Job) -> VerifyResult:
         target=job.target.key,
         outputs=outputs,
         texts=text_count,
-        accuracy=[{"name": m.name, "value": m.value, "bar": m.bar, "passed": m.passed, "what": m.what} for m in metrics],
+        accuracy=[m.to_json() for m in metrics],
         random_weights=list(reference.random_weights),
     )
     return result
@@ -154,20 +160,14 @@ def verify(job: Job) -> VerifyResult:
 def _text_count(job: Job) -> int:
     count = job.config.verify.texts
     if count is None:
-        return DEFAULT_TEXTS if models.has_tokenizer(job.source) else 0
+        return DEFAULT_TEXTS if models.has_tokenizer(job.source) and not job.packed else 0
     if count and not models.has_tokenizer(job.source):
         raise InputError(f"--texts measures real sentences through the model's tokenizer, and '{job.source.name}' has none "
                          "(presets never do): leave --texts out")
+    if count and job.packed:
+        raise InputError("--texts: a packed build takes only the rows that fit its --tokens, and the sentences are "
+                         "padded rows of their own lengths: measure them on the padded build (without --tokens)")
     return count
-
-
-def _accuracy(job: Job, seen: list, tolerance: float) -> list[accuracy.Metric]:
-    """The head's metrics over every input verify ran, rows stacked."""
-    stack = lambda parts: np.concatenate(parts, axis=0)  # noqa: E731
-    got = [stack([actual[i] for actual, _, _ in seen]) for i in range(len(seen[0][0]))]
-    want = [stack([expected[i] for _, expected, _ in seen]) for i in range(len(seen[0][1]))]
-    mask = stack([mask for _, _, mask in seen])
-    return accuracy.head_metrics(TASKS[job.source.task].accuracy, got, want, mask, ACCURACY_BARS[job.config.dtype], tolerance)
 
 
 def failure(result: dict) -> str | None:
