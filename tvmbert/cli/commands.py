@@ -282,12 +282,8 @@ def bench(as_json, padding, engines, warmup, repeat, min_time, threads, csv_path
     seq_lens = _numbers(params["seq_len"], "--seq-len", many=True)
     paddings = _numbers(padding, "--padding", kind=float, many=True) or (0.0,)
     names = tuple(e.strip() for e in engines.split(",") if e.strip()) if engines else None
-    if packed:
-        from tvmbert.stages.bench.engines import DEFAULT_ENGINES
-
-        names = (*(names or DEFAULT_ENGINES), *(() if names and "tvm-packed" in names else ("tvm-packed",)))
     overrides = {"bench.engines": names, "bench.warmup": warmup, "bench.repeat": repeat, "bench.min_time_s": min_time, "bench.threads": threads}
-    report = run(_job(params, overrides, sweep=True), batches, seq_lens, paddings)
+    report = run(_job(params, overrides, sweep=True), batches, seq_lens, paddings, packed)
     if csv_path:
         write_text(Path(csv_path), to_csv(report))
     if plot_path:

@@ -13,14 +13,16 @@ import yaml
 from tvmbert.core.errors import InputError
 from tvmbert.core.registry import ENGINES, STAGES
 
-DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int8")
 # Computed in reduced precision by TVM from a float32 model; PyTorch stays the float32 reference.
 MIXED_PRECISION = ("float16", "bfloat16")
+# Weight matmuls quantized by TVM from a float32 model (passes/int8_matmuls.py); the rest fp32.
+QUANTIZED = ("int8",)
 
 
 def torch_dtype(dtype: str) -> str:
     """The dtype the PyTorch model is built, traced and compared in."""
-    return "float32" if dtype in MIXED_PRECISION else dtype
+    return "float32" if dtype in MIXED_PRECISION + QUANTIZED else dtype
 
 
 @dataclass(frozen=True)

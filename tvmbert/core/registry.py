@@ -54,6 +54,7 @@ class BenchEngine:
     factory: str  # "module:function": (job, inputs, threads) -> bench.engines.Engine, set up
     requires: tuple[str, ...] = ()  # modules it imports, from tvmbert's [peers] extra: without them it is skipped
     default: bool = True  # timed when --engines is not given (else only when named, or by bench --packed)
+    quantized: str | None = None  # the dtype it quantizes the model's matmuls to: timed by default for that --dtype only
 
 
 # In report order; tvm, the subject, first.
@@ -66,4 +67,7 @@ ENGINES = {engine.name: engine for engine in (
     BenchEngine("torch-compile", "stages.bench.engines:torch_compile"),
     BenchEngine("onnxruntime", "stages.bench.engines:onnxruntime_engine", requires=("onnxruntime", "onnx", "onnxscript")),
     BenchEngine("openvino", "stages.bench.engines:openvino_engine", requires=("openvino",)),
+    # What users who quantize pick on CPUs (sentence-transformers' guidance: ONNX int8, OpenVINO int8).
+    BenchEngine("ort-int8", "stages.bench.engines:ort_int8_engine", requires=("onnxruntime", "onnx", "onnxscript"), quantized="int8"),
+    BenchEngine("openvino-int8", "stages.bench.engines:openvino_int8_engine", requires=("openvino", "nncf"), quantized="int8"),
 )}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tvmbert.kernels import amx, attention, fma, layer_norm
+from tvmbert.kernels import amx, attention, fma, int8, layer_norm
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class Kernel:
 
 KERNELS = (
     Kernel("amx", amx.KERNEL_ATTR, "amx-bf16", amx.instructions_in),
+    Kernel("int8", int8.KERNEL_ATTR, "int8-matmuls"),
+    Kernel("int8_quantize", int8.QUANTIZE_ATTR, "int8-matmuls"),
     Kernel("fma", fma.KERNEL_ATTR, "fma-fp32"),
     Kernel("attention", attention.KERNEL_ATTR, "attention-fp32"),
     Kernel("layer_norm", layer_norm.KERNEL_ATTR, "layer-norm-fp32"),

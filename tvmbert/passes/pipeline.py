@@ -30,9 +30,10 @@ class PassContext:
     @property
     def fp32_kernels(self) -> bool:
         """Our fp32 kernels (FMA matmuls, attention, layer norm): for --dtype float32 on a CPU with
-        vector FMA, and for bfloat16 on AMX, where only the weight matmuls run in bf16."""
+        vector FMA, for int8 there too (only the weight matmuls run in int8), and for bfloat16 on
+        AMX, where only the weight matmuls run in bf16."""
         lanes = self.target.fp32_lanes if self.target is not None else 0
-        return lanes > 0 and (self.dtype == "float32" or self.amx)
+        return lanes > 0 and (self.dtype in ("float32", "int8") or self.amx)
 
     @property
     def amx(self) -> bool:
@@ -85,6 +86,12 @@ def _layer_norm_fp32(context):
     return [layer_norm_rewrite(context.target.fp32_lanes, context.min_rows)]
 
 
+def _int8_matmuls(context):
+    from tvmbert.passes.int8_matmuls import int8_matmuls
+
+    return [int8_matmuls(context.target.fp32_lanes)]
+
+
 def _fma_fp32(context):
     from tvmbert.passes.fma_fp32 import fma_matmuls
 
@@ -130,10 +137,14 @@ PASSES = (
     # time, two passes in L1), with the residual add before them: before fma-fp32, which would
     # otherwise fold that add into its matmul (amx-bf16, earlier, keeps the adds it folded).
     GraphPass("layer-norm-fp32", _layer_norm_fp32, added_for=lambda c: c.fp32_kernels, per_target=True),
-    # Added for --dtype float32 on CPUs with AVX-512 or AVX2: weight matmuls (with their bias)
-    # with enough rows to be compute-bound call our FMA micro-kernel (kernels/fma.py), their
-    # weights laid out in its panels by bind-params.
-    GraphPass("fma-fp32", _fma_fp32, added_for=lambda c: c.fp32_kernels and c.dtype == "float32", per_target=True),
+    # Added for --dtype int8 on CPUs with AVX-512 or AVX2: weight matmuls (with their bias) call
+    # our int8 kernel (kernels/int8.py) on their rows quantized as each call finds them, their
+    # weights quantized per output channel and laid out in its panels by bind-params.
+    GraphPass("int8-matmuls", _int8_matmuls, added_for=lambda c: c.fp32_kernels and c.dtype == "int8", per_target=True),
+    # Added for --dtype float32 (and int8, for the matmuls int8-matmuls leaves) on CPUs with
+    # AVX-512 or AVX2: weight matmuls (with their bias) with enough rows to be compute-bound call
+    # our FMA micro-kernel (kernels/fma.py), their weights laid out in its panels by bind-params.
+    GraphPass("fma-fp32", _fma_fp32, added_for=lambda c: c.fp32_kernels and c.dtype in ("float32", "int8"), per_target=True),
     # Added with fma-fp32 and with amx-bf16 (whose graph keeps attention in fp32): each layer's
     # attention (Q K^T, scale, mask, softmax, P V and the head transposes around them) becomes
     # one call of our kernel (kernels/attention.py).

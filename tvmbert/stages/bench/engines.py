@@ -19,9 +19,10 @@ from tvmbert.stages.build import build
 from tvmbert.stages.job import Job
 
 ENGINES = tuple(registry.ENGINES)  # their names, in report order
-DEFAULT_ENGINES = tuple(name for name, engine in registry.ENGINES.items() if engine.default)
 # A sanity check of each engine against PyTorch eager in fp32 (fp64 for float64), not verify's bar.
-CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2}
+# int8's catches a broken quantization only (bert-base with random weights, 1 x 128: tvm 0.08,
+# ONNX Runtime's dynamic quantization 0.2, OpenVINO's NNCF 0.3): verify measures its accuracy.
+CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2, "int8": 1.0}
 # The dtype the PyTorch peers run in, per --dtype: with --dtype bfloat16 the model cast to bf16,
 # as HuggingFace users run bf16 inference on CPUs (from_pretrained(torch_dtype=torch.bfloat16));
 # bert-base 1 x 128 on Sapphire Rapids, 2 threads: 36 ms cast vs 59 ms under torch.autocast and
@@ -33,6 +34,18 @@ PEER_DTYPE = {"bfloat16": "bfloat16"}
 PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1}
 IN_PEER_DTYPE = ("torch-eager", "torch-sdpa", "torch-compile", "openvino")  # the engines PEER_DTYPE applies to
 OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
+# What the quantized peers compute in, as the report says it.
+QUANTIZED_PEERS = {
+    "ort-int8": "int8 weight matmuls (ONNX Runtime dynamic quantization: weights per channel, inputs u8 per tensor)",
+    "openvino-int8": "int8 (NNCF post-training quantization, calibrated on the bench's inputs)",
+}
+PER_CHANNEL_ORT = True
+CALIBRATION_SAMPLES = 16  # openvino-int8's calibration inputs
+
+
+def default_engines(dtype: str) -> tuple[str, ...]:
+    """Every default engine, and the peers that quantize to ``dtype``."""
+    return tuple(name for name, engine in registry.ENGINES.items() if engine.default and engine.quantized in (None, dtype))
 
 
 def peer_dtype(dtype: str) -> str:
@@ -40,6 +53,9 @@ def peer_dtype(dtype: str) -> str:
 
 
 def check_tolerance(engine: str, dtype: str) -> float:
+    quantized = registry.ENGINES[engine].quantized
+    if quantized is not None:
+        return CHECK_TOLERANCE[quantized]
     if engine in IN_PEER_DTYPE and peer_dtype(dtype) != torch_dtype(dtype):
         return PEER_CHECK_TOLERANCE[dtype]
     return CHECK_TOLERANCE[dtype]
@@ -121,7 +137,11 @@ def torch_compile(job: Job, inputs, threads: int) -> Engine:
 def onnx_session(job: Job, path, sample, threads: int, dynamic_shapes=None):
     """An ONNX Runtime session on the job's model, exported to ``path`` once (atomically) from
     ``sample`` inputs (torch tensors); ``dynamic_shapes`` as torch.onnx.export takes them."""
-    import onnxruntime as ort
+    export_onnx(job, path, sample, dynamic_shapes)
+    return ort_session(path, threads)
+
+
+def export_onnx(job: Job, path, sample, dynamic_shapes=None) -> None:
     import torch
 
     if not path.is_file():
@@ -131,6 +151,11 @@ def onnx_session(job: Job, path, sample, threads: int, dynamic_shapes=None):
         torch.onnx.export(model, tuple(sample), str(tmp), input_names=list(job.source.inputs), output_names=list(model.output_names),
                           dynamic_shapes=dynamic_shapes, dynamo=True, optimize=True, verbose=False)
         tmp.replace(path)
+
+
+def ort_session(path, threads: int):
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -141,6 +166,52 @@ def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
     session = onnx_session(job, job.stage_dir("build").parent / "onnx" / "model.onnx", inputs, threads)
     feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
     return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
+
+
+def ort_int8_engine(job: Job, inputs, threads: int) -> Engine:
+    """ONNX Runtime's dynamic quantization of the same exported model (``quantize_dynamic``: int8
+    weights per output channel, each MatMul's input quantized to u8 per tensor at run time), as
+    optimum's ORTQuantizer and sentence-transformers' ``export_dynamic_quantized_onnx_model`` make
+    it. Per channel: PER_CHANNEL_ORT says why."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    folder = job.stage_dir("build").parent / "onnx"
+    export_onnx(job, folder / "model.onnx", inputs)
+    path = folder / "model-int8.onnx"
+    if not path.is_file():
+        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
+        quantize_dynamic(folder / "model.onnx", tmp, weight_type=QuantType.QInt8, per_channel=PER_CHANNEL_ORT)
+        tmp.replace(path)
+    session = ort_session(path, threads)
+    feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
+    return Engine("ort-int8", lambda: session.run(None, feed), lambda: session.run(None, feed))
+
+
+def openvino_int8_engine(job: Job, inputs, threads: int) -> Engine:
+    """OpenVINO's int8 as its docs make it: NNCF's post-training ``quantize`` (transformer
+    preset: int8 weights per channel, activations calibrated) on a calibration set of the bench's
+    own input and seeded random inputs of its shape, then the CPU plugin as ``openvino_engine``
+    configures it."""
+    import nncf
+    import openvino
+
+    from tvmbert.stages.verify import sample_inputs
+
+    model = models.load(job.source, "float32", job.config.seed, attn_implementation="eager")
+    converted = openvino.convert_model(model, example_input=tuple(inputs))
+    calibration = [[t.numpy() for t in sample] for sample in [tuple(inputs), *sample_inputs(job, CALIBRATION_SAMPLES)[1:]]]
+    quantized = nncf.quantize(converted, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
+                              subset_size=len(calibration))
+    compiled = openvino.Core().compile_model(quantized, "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads})
+    request = compiled.create_infer_request()
+    feed = [t.numpy() for t in inputs]
+
+    def outputs():
+        request.infer(feed)
+        return [np.array(request.get_output_tensor(i).data) for i in range(len(compiled.outputs))]
+
+    return Engine("openvino-int8", lambda: request.infer(feed), outputs)
 
 
 def openvino_engine(job: Job, inputs, threads: int) -> Engine:

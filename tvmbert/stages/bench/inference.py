@@ -12,12 +12,13 @@ from tvmbert.core.errors import InputError, ToolchainError
 from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
 from tvmbert.stages.bench.engines import (
-    DEFAULT_ENGINES,
     IN_PEER_DTYPE,
+    QUANTIZED_PEERS,
     _available,
     _check,
     _make,
     check_tolerance,
+    default_engines,
     peer_dtype,
     reference,
 )
@@ -86,7 +87,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
     ordered = {name: report[name] for name in engine_names if name in report}
-    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered),
+    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered, job.config.dtype),
             "random_weights": built.meta.get("random_weights", [])}
 
 
@@ -96,7 +97,11 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
     for name in engines:
         if name.startswith("tvm"):
             described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
-                               "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32"}.get(dtype, dtype)
+                               "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32",
+                               "int8": "int8 weight matmuls (weights per channel, rows per row at run time, int32 sums), "
+                                       "the rest fp32"}.get(dtype, dtype)
+        elif name in QUANTIZED_PEERS:
+            described[name] = QUANTIZED_PEERS[name]
         elif name in IN_PEER_DTYPE:
             peer = peer_dtype(dtype)
             described[name] = f"{peer} (model cast to {peer})" if peer != torch_dtype(dtype) else peer
@@ -105,10 +110,15 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
     return described
 
 
-def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (), paddings: tuple[float, ...] = (0.0,)) -> dict:
+def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (), paddings: tuple[float, ...] = (0.0,),
+          packed: bool = False) -> dict:
+    """Every engine (default: ``default_engines`` of the job's dtype; ``packed`` adds tvm-packed)
+    at each shape."""
     if not job.target.device_present():
         raise ToolchainError(f"bench runs the model: this machine has no {job.target.kind} device")
-    engines = job.config.bench.engines or DEFAULT_ENGINES
+    engines = job.config.bench.engines or default_engines(job.config.dtype)
+    if packed and "tvm-packed" not in engines:
+        engines = (*engines, "tvm-packed")
     if any(not 0.0 <= p < 1.0 for p in paddings):
         raise InputError("--padding must be a fraction in [0, 1)")
     if "tvm" not in engines:

@@ -104,14 +104,19 @@ def _summary(engine: Engine, batch: int) -> dict:
     }
 
 
-def _ratios(engines: dict) -> dict:
-    """ratio: tvm's median over the best other engine's (below 1: tvm is faster);
+def _ratios(engines: dict, dtype: str = "float32") -> dict:
+    """ratio: tvm's median over the best other engine's (below 1: tvm is faster), for a quantized
+    dtype the best engine quantized to it where one was timed (int8 against int8);
     speedup: torch-eager's median over tvm's; packed_speedup: tvm's over tvm-packed's (the
     padded build over the packed one; not a peer, so never the best other)."""
+    from tvmbert.core.registry import ENGINES
+
     timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats}
     if "tvm" not in timed:
         return {"ratio": None, "best_other": None, "speedup": None, "packed_speedup": None}
     others = {name: median for name, median in timed.items() if name not in ("tvm", "tvm-packed")}
+    alike = {name: median for name, median in others.items() if ENGINES[name].quantized == dtype}
+    others = alike or others
     best = min(others, key=others.get) if others else None
     return {
         "ratio": round(timed["tvm"] / others[best], 3) if best else None,
