@@ -31,8 +31,9 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
     or None where N is not a multiple of the lanes. Each product needs a register of its own
     before it is added (``pmaddwd`` then ``paddd``), besides the accumulators, the weight vectors
     and the broadcast: AVX2's 16 registers hold 3 x 3 (4 x 3, as the FMA kernel runs, spilled
-    accumulators to the stack at every step: 128 x 3072 x 768 on 2 Zen 3 cores 151 -> 213 GOP/s;
-    5 x 2, 6 x 2, 4 x 2, 3 x 2 and 2 x 4 were no faster at 14, 128 and 1024 rows)."""
+    accumulators to the stack at every step; 5 x 2, 4 x 2, 3 x 2 and 2 x 4 were no faster at 14,
+    128 and 1024 rows: 270-300 GOP/s on 2 Zen 3 cores, whose ``vpmaddwd`` + ``vpaddd`` peak is
+    ~68 GMAC/s a core, 1.5x its FMA's)."""
     shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((3, 3), (3, 2), (3, 1))
     return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
 
@@ -68,12 +69,9 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     width = vectors * lanes
     pairs = k // 2
     panels, tiles, last_rows = n // width, m // rows, m % rows
-    k_block = max(d for d in range(1, 9) if pairs % d == 0)  # k pairs unrolled between prefetches
-    k_blocks = pairs // k_block
     panel_lines = pairs * width * 2 // CACHE_LINE
-    steps = (tiles + (last_rows > 0)) * k_blocks
+    steps = (tiles + (last_rows > 0)) * pairs
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
-    line_bytes = CACHE_LINE
     product = pair_product(lanes)
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)
@@ -116,14 +114,15 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
             for i in T.unroll(tail):
                 for v in T.unroll(vectors):
                     acc_tail[i, T.ramp(v * lanes, 1, lanes)] = T.broadcast(T.int32(0), lanes)
-        for kb in range(k_blocks):
+        # One k pair per step, not unrolled: LLVM unrolls it by itself, where unrolling 8 made it load
+        # later steps' weights early and spill accumulators (128 x 3072 x 768, 2 Zen 3 cores: 275 -> 294 GOP/s).
+        for kp in range(pairs):
             for q in T.unroll(per_step):
                 T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (pairs * width * 2) + T.min(
-                    (t * k_blocks + kb) * per_step + q, panel_lines - 1) * line_bytes])))
-            for kk in T.unroll(k_block):
-                accumulate(x32, wq, acc_head, p, t * rows, head, kb * k_block + kk)
-                if tail > 0:
-                    accumulate(x32, wq, acc_tail, p, t * rows + head, tail, kb * k_block + kk)
+                    (t * pairs + kp) * per_step + q, panel_lines - 1) * CACHE_LINE])))
+            accumulate(x32, wq, acc_head, p, t * rows, head, kp)
+            if tail > 0:
+                accumulate(x32, wq, acc_tail, p, t * rows + head, tail, kp)
         store(sx, sw, b, rf, yf, acc_head, p, t * rows, head)
         if tail > 0:
             store(sx, sw, b, rf, yf, acc_tail, p, t * rows + head, tail)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -168,6 +169,20 @@ def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
     return Engine("onnxruntime", lambda: session.run(None, feed), lambda: session.run(None, feed))
 
 
+@contextlib.contextmanager
+def _quiet():
+    """A peer's own quantization tool, silenced: its stdout (progress bars) and its logged warnings."""
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def ort_int8_engine(job: Job, inputs, threads: int) -> Engine:
     """ONNX Runtime's dynamic quantization of the same exported model (``quantize_dynamic``: int8
     weights per output channel, each MatMul's input quantized to u8 per tensor at run time), as
@@ -180,7 +195,8 @@ def ort_int8_engine(job: Job, inputs, threads: int) -> Engine:
     path = folder / "model-int8.onnx"
     if not path.is_file():
         tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
-        quantize_dynamic(folder / "model.onnx", tmp, weight_type=QuantType.QInt8, per_channel=PER_CHANNEL_ORT)
+        with _quiet():  # its advice to pre-process (shape inference) changes nothing for a model exported with shapes
+            quantize_dynamic(folder / "model.onnx", tmp, weight_type=QuantType.QInt8, per_channel=PER_CHANNEL_ORT)
         tmp.replace(path)
     session = ort_session(path, threads)
     feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
@@ -200,8 +216,9 @@ def openvino_int8_engine(job: Job, inputs, threads: int) -> Engine:
     model = models.load(job.source, "float32", job.config.seed, attn_implementation="eager")
     converted = openvino.convert_model(model, example_input=tuple(inputs))
     calibration = [[t.numpy() for t in sample] for sample in [tuple(inputs), *sample_inputs(job, CALIBRATION_SAMPLES)[1:]]]
-    quantized = nncf.quantize(converted, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
-                              subset_size=len(calibration))
+    with _quiet():  # NNCF draws progress bars on stdout, where bench --json writes its report
+        quantized = nncf.quantize(converted, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(calibration))
     compiled = openvino.Core().compile_model(quantized, "CPU", {
         "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads})
     request = compiled.create_infer_request()
