@@ -4,7 +4,7 @@ in panels."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import ACTIVATION_ATTR, ACTIVATIONS, kernel, tile
+from tvmbert.kernels.fma import ACTIVATION_ATTR, kernel, tile
 
 
 def panel_major_variant(call, function, lanes: int):
@@ -43,41 +43,19 @@ def fma_matmuls(lanes: int, min_rows: int):
     it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
     from tvm import relax
 
-    from tvmbert.ir.dataflow import row_count, weight_matmul_sizes, weights_of
-    from tvmbert.passes.kernel_calls import Epilogues, KernelFunctions, kernel_operands
-    from tvmbert.passes.rewriters import function_pass
+    from tvmbert.ir.dataflow import row_count
+    from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
 
-    @relax.expr_functor.mutator
-    class Rewriter(relax.PyExprMutator):
-        def __init__(self, module):
-            super().__init__(module)
-            self.kernels = KernelFunctions("fma_matmul_", lambda m, lead, n, k, activation, residual, _:
-                                           kernel(m, n, k, lanes, lead, activation, residual))
-            self.weights = set()
-            self.epilogues = None
+    def takes(lead, n, _k):
+        return row_count(lead) >= min_rows and tile(n, lanes) is not None
 
-        def start(self, function):
-            self.weights = weights_of(function)
-            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
+    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual):
+        lead, n, k = sizes
+        _, vectors = tile(n, lanes)
+        laid_out = rewriter.builder_.emit(weight_in_panels(weight, vectors * lanes))
+        kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32")
+        return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(laid_out, bias, residual)],
+                              relax.TensorType((*lead, n), "float32"))
 
-        def fits(self, call):
-            sizes = weight_matmul_sizes(call, self.weights)
-            if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
-                return None
-            lead, n, _ = sizes
-            return sizes if row_count(lead) >= min_rows and tile(n, lanes) is not None else None
-
-        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
-            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
-            lead, n, k = sizes
-            _, vectors = tile(n, lanes)
-            laid_out = self.builder_.emit(weight_in_panels(weight, vectors * lanes))
-            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
-            return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(laid_out, bias, residual)],
-                                  relax.TensorType((*lead, n), out_dtype))
-
-        def visit_var_binding_(self, binding):
-            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
-                super().visit_var_binding_(binding)
-
-    return function_pass("FmaFp32Matmuls", Rewriter)
+    return fp32_weight_matmul_pass("FmaFp32Matmuls", "fma_matmul_", lambda m, lead, n, k, activation, residual, _:
+                                   kernel(m, n, k, lanes, lead, activation, residual), takes, call_kernel)

@@ -27,61 +27,36 @@ def int8_matmuls(lanes: int):
     multiple of the lanes, K of the lanes (the row quantization's vectors) and the product used by
     nothing else, becomes a row quantization of x and one call of the kernel, together with the
     activation or the residual add that follows it, if any (``kernel_calls.Epilogues``). At every
-    row count: no schedule of TVM's runs int8 faster. Everything else is left as it is (the
-    few-row pooler and classifier heads without a bias-add pattern stay fp32)."""
+    row count: no schedule of TVM's runs int8 faster. Everything else is left as it is."""
     from tvm import relax
 
-    from tvmbert.ir.dataflow import row_count, weight_matmul_sizes, weights_of
-    from tvmbert.kernels.fma import ACTIVATIONS
-    from tvmbert.passes.kernel_calls import Epilogues, KernelFunctions, kernel_operands
-    from tvmbert.passes.rewriters import function_pass
+    from tvmbert.ir.dataflow import row_count
+    from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
 
-    @relax.expr_functor.mutator
-    class Rewriter(relax.PyExprMutator):
-        def __init__(self, module):
-            super().__init__(module)
-            self.kernels = KernelFunctions("int8_matmul_", lambda m, lead, n, k, activation, residual, _:
-                                           kernel(m, n, k, lanes, lead, activation, residual))
-            self.quantizers = {}
-            self.weights = set()
-            self.epilogues = None
+    def takes(_lead, n, k):
+        return fits(n, k, lanes) and k % lanes == 0
 
-        def start(self, function):
-            self.weights = weights_of(function)
-            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
+    def quantizer(rewriter, lead, k):
+        key = ("quantize_rows", *lead, k)
+        if key not in rewriter.cache:
+            function = quantize_rows_kernel(row_count(lead), k, lanes, lead)
+            name = "int8_quantize_rows_" + "x".join(str(d) for d in (*lead, k))
+            rewriter.cache[key] = rewriter.builder_.add_func(function.without_attr("global_symbol"), name)
+        return rewriter.cache[key]
 
-        def fits(self, call):
-            sizes = weight_matmul_sizes(call, self.weights)
-            if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
-                return None
-            _, n, k = sizes
-            return sizes if fits(n, k, lanes) and k % lanes == 0 else None
+    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual):
+        lead, n, k = sizes
+        m = row_count(lead)
+        _, vectors = tile(n, lanes)
+        emit = rewriter.builder_.emit
+        laid_out, weight_scale = (emit(part) for part in quantized_weight(weight, vectors * lanes))
+        quantized = emit(relax.call_tir(quantizer(rewriter, lead, k), [x], [relax.TensorType((*lead, k), "int16"),
+                                                                            relax.TensorType((m,), "float32")]))
+        rows, row_scale = emit(relax.TupleGetItem(quantized, 0)), emit(relax.TupleGetItem(quantized, 1))
+        weight_operand, *rest = kernel_operands(laid_out, bias, residual)
+        kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32")
+        return relax.call_tir(kernel_for(m, lead), [rows, row_scale, weight_operand, weight_scale, *rest],
+                              relax.TensorType((*lead, n), "float32"))
 
-        def quantizer(self, lead, k):
-            key = (*lead, k)
-            if key not in self.quantizers:
-                function = quantize_rows_kernel(row_count(lead), k, lanes, lead)
-                name = "int8_quantize_rows_" + "x".join(str(d) for d in key)
-                self.quantizers[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
-            return self.quantizers[key]
-
-        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
-            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
-            lead, n, k = sizes
-            m = row_count(lead)
-            _, vectors = tile(n, lanes)
-            emit = self.builder_.emit
-            laid_out, weight_scale = (emit(part) for part in quantized_weight(weight, vectors * lanes))
-            quantized = emit(relax.call_tir(self.quantizer(lead, k), [x], [relax.TensorType((*lead, k), "int16"),
-                                                                          relax.TensorType((m,), "float32")]))
-            rows, row_scale = emit(relax.TupleGetItem(quantized, 0)), emit(relax.TupleGetItem(quantized, 1))
-            weight_operand, *rest = kernel_operands(laid_out, bias, residual)
-            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
-            return relax.call_tir(kernel_for(m, lead), [rows, row_scale, weight_operand, weight_scale, *rest],
-                                  relax.TensorType((*lead, n), out_dtype))
-
-        def visit_var_binding_(self, binding):
-            if not self.epilogues.visit_binding(self, binding, self.call_kernel):
-                super().visit_var_binding_(binding)
-
-    return function_pass("Int8Matmuls", Rewriter)
+    return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", lambda m, lead, n, k, activation, residual, _:
+                                   kernel(m, n, k, lanes, lead, activation, residual), takes, call_kernel)

@@ -1,4 +1,4 @@
-"""What the passes that hand work to a kernel of ours (``amx_bf16``, ``fma_fp32``,
+"""What the passes that hand work to a kernel of ours (``amx_bf16``, ``fma_fp32``, ``int8_matmuls``,
 ``attention_fp32``, ``layer_norm_fp32``) share: the call itself, with the rows padded to the
 kernel's granularity where they have to be, the epilogues that fold into it, one function per
 kernel shape, and the kernels a module holds."""
@@ -166,3 +166,46 @@ def kernel_operands(weight, bias, residual) -> list:
     """What the kernels take after x: the weight in the kernel's layout, the bias and the
     residual, or in its place the one unread float their signature keeps for it."""
     return [weight, bias, residual if residual is not None else unread()]
+
+
+def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_kernel):
+    """The module pass of a kernel that takes fp32 ``add(matmul(x, W), b)`` with the activation or
+    residual add after it (``Epilogues``; ``fma-fp32``, ``int8-matmuls``): the matmuls whose
+    ``(lead, n, k)`` ``takes``, each replaced by ``call_kernel(rewriter, x, weight, bias, sizes,
+    activation, residual)``, which emits on ``rewriter.builder_`` and finds the kernel's functions
+    in ``rewriter.kernels`` (``KernelFunctions(prefix, make_kernel)``) and a dict of its own in
+    ``rewriter.cache``. Everything else is left as it is."""
+    from tvm import relax
+
+    from tvmbert.ir.dataflow import weight_matmul_sizes, weights_of
+    from tvmbert.kernels.fma import ACTIVATIONS
+    from tvmbert.passes.rewriters import function_pass
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def __init__(self, module):
+            super().__init__(module)
+            self.kernels = KernelFunctions(prefix, make_kernel)
+            self.cache = {}
+            self.weights = set()
+            self.epilogues = None
+
+        def start(self, function):
+            self.weights = weights_of(function)
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
+
+        def fits(self, call):
+            sizes = weight_matmul_sizes(call, self.weights)
+            if sizes is None or any(arg.ty.dtype != "float32" for arg in call.args):
+                return None
+            return sizes if takes(*sizes) else None
+
+        def call(self, x, weight, bias, sizes, activation, residual, out_dtype):
+            assert out_dtype == "float32"  # no output_dtypes given to Epilogues
+            return call_kernel(self, x, weight, bias, sizes, activation, residual)
+
+        def visit_var_binding_(self, binding):
+            if not self.epilogues.visit_binding(self, binding, self.call):
+                super().visit_var_binding_(binding)
+
+    return function_pass(name, Rewriter)
