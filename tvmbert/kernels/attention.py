@@ -11,10 +11,8 @@ K is transposed once into a buffer in cache and V copied contiguous, the scores 
 FMA register tiles, scaled and masked as they are stored, the softmax runs over each row in cache
 (exp as ``scalar_math.exp_float32``) and ``P V`` accumulates in registers, divided by the row's
 sum as it is stored (PyTorch divides the probabilities first). Sums run in another order and the
-scale and mask may fuse into one FMA: within fp32 rounding of the graph. A sequence that is not
-a multiple of the vector lanes (1 x 14) is padded inside the kernel: its keys past the end score
--3.4e38 (exp: exactly 0), its queries past the end are computed from the last one and never
-stored. Head sizes that are not a multiple of the lanes keep the graph.
+scale and mask may fuse into one FMA: within fp32 rounding of the graph. Shapes where the
+sequence or the head size is not a multiple of the vector lanes keep the graph.
 
 Where the projection runs on the FMA kernel and nothing else reads its result, that kernel writes
 it panel-major instead (``passes/fma_fp32.panel_major_variant``; with bert-base's 64-column panels, one panel
@@ -40,11 +38,8 @@ def vectors_per_tile(count: int, lanes: int) -> int:
     return next(v for v in range(most, 0, -1) if count % v == 0)
 
 
-PAST_THE_END = -3.4e38  # a padded key's score: its exp is exactly 0 (scalar_math.exp_float32)
-
-
 def fits(seq: int, dim: int, lanes: int) -> bool:
-    return lanes > 0 and dim % lanes == 0
+    return lanes > 0 and seq % lanes == 0 and dim % lanes == 0
 
 
 def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
@@ -63,8 +58,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     assert fits(seq, dim, lanes), (seq, dim, lanes)
     (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = sources
     assert all(offset % lanes == 0 and (not panel or columns % panel == 0) for columns, offset in sources), sources
-    padded = -(-seq // lanes) * lanes  # the scores' rows and columns (a multiple of ROWS too)
-    score_width = vectors_per_tile(padded // lanes, lanes) * lanes
+    score_width = vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     width = max(score_width, out_width)
     mask_shape = tuple(mask_shape) if mask_shape else (1,)
@@ -101,7 +95,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     # over its score tiles: alone at bert-base 8 x 128, operands out of cache, 2.9 -> 2.6 ms.
     line_floats = CACHE_LINE // 4
     row_lines = -(-dim // line_floats)
-    score_tiles = (padded // ROWS) * (padded // score_width)
+    score_tiles = (seq // ROWS) * (seq // score_width)
     per_tile = -(-seq * row_lines // score_tiles)
 
     def prefetch_next_head(operand, offset, rows, bh, line):
@@ -122,9 +116,6 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     # P V reads V where the projection wrote it, contiguous already.
     v_in_place = panel == dim and tokens is None and v_offset % panel == 0
 
-    def real(position):  # a query or key past the end of a padded sequence reads the last one
-        return T.min(position, seq - 1) if padded != seq else position
-
     @T.macro
     def zero(acc, columns):
         for i in T.unroll(half):
@@ -135,21 +126,18 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     def score_fma(q, kt, rows, acc, bh, first, c, d0, e):  # query rows first .. first + half
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
-                acc[i, x] = acc[i, x] + at(q, row(rows, bh // heads * seq + real(first + i)), (q_offset + bh % heads * dim) // lanes + d0, e) \
+                acc[i, x] = acc[i, x] + at(q, row(rows, bh // heads * seq + first + i), (q_offset + bh % heads * dim) // lanes + d0, e) \
                     * kt[d0 * lanes + e, c * score_width + x]
-
-    def scored(mask, acc, bh, i, first, c, x):
-        column = c * score_width + x
-        value = acc[i, x] * scale_by
-        if masked:
-            value = value + mask_at(mask, bh // heads, bh % heads, real(first + i), real(column))
-        return T.Select(column < seq, value, T.float32(PAST_THE_END)) if padded != seq else value
 
     @T.macro
     def score_store(mask, scores, acc, bh, first, c):
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
-                scores[first + i, c * score_width + x] = scored(mask, acc, bh, i, first, c, x)
+                if masked:
+                    scores[first + i, c * score_width + x] = acc[i, x] * scale_by + mask_at(
+                        mask, bh // heads, bh % heads, first + i, c * score_width + x)
+                else:
+                    scores[first + i, c * score_width + x] = acc[i, x] * scale_by
 
     @T.macro
     def output_fma(scores, v, vh, acc, bh, first, c, j):
@@ -164,9 +152,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     @T.macro
     def output_store(y, totals, acc, bh, first, c):
         for i in T.unroll(half):
-            if padded == seq or first + i < seq:
-                for x in T.vectorized(out_width):
-                    y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[first + i]
+            for x in T.vectorized(out_width):
+                y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[first + i]
 
     @T.prim_func(s_tir=True)
     def attention(q: T.Buffer(operand_shape(q_columns), "float32"), k: T.Buffer(operand_shape(k_columns), "float32"),
@@ -178,10 +165,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows))
                 T.writes(whole(y))
                 for bh in T.parallel(batch * heads):
-                    kt = T.alloc_buffer((dim, padded), "float32")
+                    kt = T.alloc_buffer((dim, seq), "float32")
                     vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
-                    scores = T.alloc_buffer((padded, padded), "float32")
-                    totals = T.alloc_buffer((padded,), "float32")
+                    scores = T.alloc_buffer((seq, seq), "float32")
+                    totals = T.alloc_buffer((seq,), "float32")
                     acc_top = T.alloc_buffer((half, width), "float32")
                     acc_bottom = T.alloc_buffer((half, width), "float32")
                     partial = T.alloc_buffer((lanes,), "float32")
@@ -193,45 +180,45 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                             for d0 in range(dim // lanes):
                                 for x in T.vectorized(lanes):
                                     vh[j, d0 * lanes + x] = at(v, row(rows, bh // heads * seq + j), (v_offset + bh % heads * dim) // lanes + d0, x)
-                    for j0 in range(padded // lanes):  # in lanes x lanes blocks through registers
+                    for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
                         for d0 in range(dim // lanes):
                             for r in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
-                                    block[r, x] = at(k, row(rows, bh // heads * seq + real(j0 * lanes + r)), (k_offset + bh % heads * dim) // lanes + d0, x)
+                                    block[r, x] = at(k, row(rows, bh // heads * seq + j0 * lanes + r), (k_offset + bh % heads * dim) // lanes + d0, x)
                             for c in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
                                     kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
                     # scores = Q K^T * scale + mask, a register tile at a time
-                    for t in range(padded // ROWS):
-                        for c in range(padded // score_width):
+                    for t in range(seq // ROWS):
+                        for c in range(seq // score_width):
                             zero(acc_top, score_width)
                             zero(acc_bottom, score_width)
                             for n in T.unroll(per_tile):
-                                T.evaluate(prefetch_next_head(q, q_offset, rows, bh, (t * (padded // score_width) + c) * per_tile + n))
-                                T.evaluate(prefetch_next_head(k, k_offset, rows, bh, (t * (padded // score_width) + c) * per_tile + n))
-                                T.evaluate(prefetch_next_head(v, v_offset, rows, bh, (t * (padded // score_width) + c) * per_tile + n))
+                                T.evaluate(prefetch_next_head(q, q_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
+                                T.evaluate(prefetch_next_head(k, k_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
+                                T.evaluate(prefetch_next_head(v, v_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
                             for d0, e in T.grid(dim // lanes, lanes):
                                 score_fma(q, kt, rows, acc_top, bh, t * ROWS, c, d0, e)
                                 score_fma(q, kt, rows, acc_bottom, bh, t * ROWS + half, c, d0, e)
                             score_store(mask, scores, acc_top, bh, t * ROWS, c)
                             score_store(mask, scores, acc_bottom, bh, t * ROWS + half, c)
                     # softmax's max, exp and sum over each row
-                    for i in range(padded):
+                    for i in range(seq):
                         for x in T.vectorized(lanes):
                             partial[x] = scores[i, x]
-                        for c in range(1, padded // lanes):
+                        for c in range(1, seq // lanes):
                             for x in T.vectorized(lanes):
                                 partial[x] = T.max(partial[x], scores[i, c * lanes + x])
                         row_max[0] = across_lanes(partial, T.max)
                         for x in T.vectorized(lanes):
                             partial[x] = T.float32(0)
-                        for c in range(padded // lanes):
+                        for c in range(seq // lanes):
                             for x in T.vectorized(lanes):
                                 scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
                                 partial[x] = partial[x] + scores[i, c * lanes + x]
                         totals[i] = across_lanes(partial, lambda a, b: a + b)
                     # y = P V / sum
-                    for t in range(padded // ROWS):
+                    for t in range(seq // ROWS):
                         for c in range(dim // out_width):
                             zero(acc_top, out_width)
                             zero(acc_bottom, out_width)
