@@ -19,6 +19,7 @@ keeps the bf16 loop nest.
 
 from __future__ import annotations
 
+from tvmbert.kernels.fma import whole
 from tvmbert.kernels.scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.amx_bf16"  # PrimFunc attribute marking the kernel (build counts them)
@@ -55,9 +56,6 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
     # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
     chunk = max((d for d in range(1, row_blocks + 1) if row_blocks % d == 0 and d * TILE * k * 2 <= row_chunk_bytes),
                 default=1)
-
-    def whole(buffer):
-        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     def intrin(name, *args):
         return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)

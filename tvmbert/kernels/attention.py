@@ -24,7 +24,7 @@ the weight matmuls are bf16 and the attention runs here too (8 x 128: 58 ms of g
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import CACHE_LINE, STACK_BYTES, prefetch_to_l2
+from tvmbert.kernels.fma import CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
 from tvmbert.kernels.scalar_math import exp_float32
 
 KERNEL_ATTR = "tvmbert.attention_f32"  # PrimFunc attribute marking the kernel (build counts them)
@@ -103,9 +103,6 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         after = T.min(bh + 1, batch * heads - 1)
         return prefetch_to_l2(T.address_of(at(operand, row(rows, after // heads * seq + line // row_lines),
                                               (offset + after % heads * dim + line % row_lines * line_floats) // lanes, 0)))
-
-    def whole(buffer):
-        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     # A register tile's accumulators, ROWS x width floats, in two buffers of ROWS / 2 rows: TVM
     # puts a buffer on the stack (where LLVM keeps it in registers) only under fma.STACK_BYTES;

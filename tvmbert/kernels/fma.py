@@ -54,6 +54,13 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
     return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
 
 
+def whole(buffer):
+    """TIR: the region of every element of ``buffer`` (a kernel block's reads and writes)."""
+    import tvm
+
+    return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
+
+
 def prefetch_to_l2(address):
     """TIR: a software prefetch of the line at ``address`` (read, into L2: locality 2, data)."""
     from tvm.script import tirx as T
@@ -90,9 +97,6 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
     line_floats = CACHE_LINE // 4
-
-    def whole(buffer):
-        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     # TVM puts a buffer on the stack only in scope "global" and under ``STACK_BYTES``; any other
     # is a heap workspace that LLVM zeroes (memset) and stores at every tile. On the stack, LLVM

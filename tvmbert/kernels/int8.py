@@ -19,7 +19,7 @@ per vector."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, prefetch_to_l2
+from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
 
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
@@ -39,7 +39,9 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
 
 
 def fits(n: int, k: int, lanes: int) -> bool:
-    return lanes > 0 and k % 2 == 0 and tile(n, lanes) is not None
+    """Whether an N x K weight matmul runs here: K in whole vectors (the row quantization's; pairs
+    for the matmul), N in whole tiles."""
+    return lanes > 0 and k % lanes == 0 and tile(n, lanes) is not None
 
 
 def pair_product(lanes: int):
@@ -78,9 +80,6 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
     def groups(tile_rows):
         return min(tile_rows, group_rows), tile_rows - min(tile_rows, group_rows)
-
-    def whole(buffer):
-        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     @T.macro
     def accumulate(x32, wq, acc, p, first_row, group, kp):
@@ -160,9 +159,6 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
     lead = tuple(lead) if lead else (m,)
     assert k % lanes == 0, (k, lanes)
     vectors = k // lanes
-
-    def whole(buffer):
-        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     @T.prim_func(s_tir=True)
     def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer((*lead, k), "int16"), sx: T.Buffer((m,), "float32")):

@@ -10,6 +10,8 @@ shifted, is stored."""
 
 from __future__ import annotations
 
+from tvmbert.kernels.fma import whole
+
 KERNEL_ATTR = "tvmbert.layer_norm_f32"  # PrimFunc attribute marking the kernel (build counts them)
 
 
@@ -40,9 +42,6 @@ def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] 
 
     def summed(xf, yf, row, column):  # the row as the later passes read it: y holds x + r
         return yf[row, column] if residual else xf[row, column]
-
-    def whole(buffer):
-        return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
     @T.prim_func(s_tir=True)
     def layer_norm(x: T.Buffer((*lead, n), "float32"), r: T.Buffer(residual_shape, "float32"), gamma: T.Buffer((n,), "float32"),

@@ -34,7 +34,7 @@ def int8_matmuls(lanes: int):
     from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
 
     def takes(_lead, n, k):
-        return fits(n, k, lanes) and k % lanes == 0
+        return fits(n, k, lanes)
 
     def quantizer(rewriter, lead, k):
         key = ("quantize_rows", *lead, k)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from tvmbert.core import targets
+from tvmbert.core.registry import ENGINES
 from tvmbert.core.targets import HOST_CPUS, cpu_count
 from tvmbert.stages.bench.engines import Engine
 from tvmbert.stages.job import Job
@@ -109,8 +110,6 @@ def _ratios(engines: dict, dtype: str = "float32") -> dict:
     dtype the best engine quantized to it where one was timed (int8 against int8);
     speedup: torch-eager's median over tvm's; packed_speedup: tvm's over tvm-packed's (the
     padded build over the packed one; not a peer, so never the best other)."""
-    from tvmbert.core.registry import ENGINES
-
     timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats}
     if "tvm" not in timed:
         return {"ratio": None, "best_other": None, "speedup": None, "packed_speedup": None}
