@@ -102,6 +102,13 @@ def test_bert_tiny_in_int8_builds_verifies_and_keeps_the_rest_fp32(tvmbert, work
     assert meta["layer_norm_kernels"]  # fp32, as in a float32 build
 
 
+def test_the_int8_kernels_width_follows_the_pair_product_the_target_has():
+    from tvmbert.core.targets import resolve
+
+    lanes = {cpu: resolve(f"llvm -mcpu={cpu}").int8_lanes for cpu in ("skylake-avx512", "knl", "haswell", "x86-64")}
+    assert lanes == {"skylake-avx512": 16, "knl": 8, "haswell": 8, "x86-64": 0}  # knl: AVX512F without BW
+
+
 def test_int8_needs_our_x86_kernels(tvmbert):
     refused = tvmbert("build", "bert-tiny", "--dtype", "int8", "--target", "cuda -arch=sm_80")
     assert refused.code == 2 and "--dtype int8 runs on our x86 kernels" in refused.stderr

@@ -90,6 +90,15 @@ class TargetSpec:
         return 8 if self.has_features("avx2", "fma") else 0
 
     @cached_property
+    def int8_lanes(self) -> int:
+        """int32 lanes of the int8 kernel's vectors: its ``vpmaddwd`` on 512 bits needs AVX512-BW
+        (an AVX512F-only CPU, Knights Landing, runs the 256-bit one), on 256 bits AVX2; 0 without
+        (--dtype int8 is refused)."""
+        if self.has_features("avx512bw"):
+            return 16
+        return 8 if self.has_features("avx2", "fma") else 0
+
+    @cached_property
     def has_amx_bf16(self) -> bool:
         return self.has_features(AMX_BF16)
 

@@ -36,7 +36,7 @@ class Job:
         check_pass_names(self.config.disable, "--disable")
         if self.config.dtype == "bfloat16" and self.target.kind == "llvm" and not self.target.has_amx_bf16:
             raise InputError(self.target.no_amx_message())
-        if self.config.dtype == "int8" and (self.target.kind != "llvm" or not self.target.fp32_lanes):
+        if self.config.dtype == "int8" and (self.target.kind != "llvm" or not self.target.int8_lanes):
             raise InputError(f"--dtype int8 runs on our x86 kernels, which need AVX2 (or AVX-512); target {self.target.key} "
                              "has neither: use --dtype float32 there")
         if self.config.seq_len is not None:
