@@ -27,6 +27,8 @@ def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path):
             assert stats["after_idle_ms"] > 0 and 0 <= stats["quiet_after_ms"] <= 1000
             assert stats["throughput"] > 0 and stats["setup_s"] >= 0
         assert result["ratio"] > 0 and result["best_other"] in result["engines"]
+        jitter = result["machine_jitter"]
+        assert jitter["median_ms"] > 0 and jitter["p99_ratio"] >= 1 and jitter["runs"] >= 3 * 4
     environment = report["environment"]
     assert environment["threads"] >= 1 and environment["torch"] and environment["onnxruntime"]
     rows = list(csv.DictReader((tmp_path / "b.csv").open()))

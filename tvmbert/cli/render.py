@@ -109,6 +109,7 @@ def bench_training(report):
               f"{report['tasks_tuned']}/{report['tasks_total']} tasks tuned")
     verdict = "tvm faster" if report["ratio"] < 1 else "tvm slower"
     out.print(f"tvm median / torch-eager's: {report['ratio']:.2f} ({verdict})")
+    machine_jitter(report["machine_jitter"])
 
 
 def bench(report):
@@ -132,7 +133,13 @@ def bench(report):
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
         if result.get("packed_speedup"):
             out.print(f"tvm (padded) median / tvm-packed's: {result['packed_speedup']:.2f}")
+        machine_jitter(result["machine_jitter"])
     random_weights(report)
+
+
+def machine_jitter(jitter):
+    out.print(f"[dim]machine jitter: a fixed single-thread task timed in the same rounds ran p99 "
+              f"{jitter['p99_ratio']:.2f}x its median: tails up to that are this machine's[/dim]")
 
 
 def export(manifest):

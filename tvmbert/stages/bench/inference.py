@@ -83,12 +83,12 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             timed.append(engine)
     job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
-    measure(timed, options.warmup, options.repeat, options.min_time_s)
+    jitter = measure(timed, options.warmup, options.repeat, options.min_time_s)
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
     ordered = {name: report[name] for name in engine_names if name in report}
     return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered, job.config.dtype),
-            "random_weights": built.meta.get("random_weights", [])}
+            "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
 
 
 def engine_dtypes(dtype: str, engines) -> dict[str, str]:

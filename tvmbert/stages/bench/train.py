@@ -52,7 +52,7 @@ def bench_training(job: Job) -> dict:
     options = job.config.bench
     job.say(f"bench --train: {type(layer).__name__} {'x'.join(map(str, hidden.shape))}, forward + backward, "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
-    measure(list(engines.values()), options.warmup, options.repeat, options.min_time_s)
+    jitter = measure(list(engines.values()), options.warmup, options.repeat, options.min_time_s)
     layer_dispatch = dispatch.dispatch_of(compiled)
     current = layer_dispatch.compiled_for(layer_dispatch.mode())
     summaries = {name: _summary(engine, hidden.shape[0]) for name, engine in engines.items()}
@@ -63,6 +63,7 @@ def bench_training(job: Job) -> dict:
         "dtype": job.config.dtype,
         "environment": environment(job, threads),
         "engines": summaries,
+        "machine_jitter": jitter,
         "ratio": round(summaries["tvm"]["median_ms"] / summaries["torch-eager"]["median_ms"], 3),
         "max_abs_diff": worst,
         "saved_bytes": {"tvm": dispatch.saved_activation_bytes(compiled, (x, mask)),
