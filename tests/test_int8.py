@@ -3,6 +3,7 @@ AVX-512 variant compiled, bert-tiny through every stage against fp32 PyTorch, th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +15,26 @@ from tvmbert.stages.bench.engines import check_tolerance, default_engines
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
 
-from helpers import HOST, HOST_LANES, build_meta
+from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta
+
+
+def emulated_quads(acc, row_word, weights, lanes):
+    """``vpdpbusd``'s arithmetic in plain vector ops: each lane adds its four u8 x s8 products."""
+    from tvm.script import tirx as T
+
+    products = T.Cast(f"int32x{4 * lanes}", T.reinterpret(row_word, dtype=f"uint8x{4 * lanes}")) \
+        * T.Cast(f"int32x{4 * lanes}", weights)
+    for j in range(4):
+        acc = acc + T.Shuffle([products], [4 * lane + j for lane in range(lanes)])
+    return acc
+
+
+# The kernel with each dot product: VNNI's layout, offset rows and column starts run on every host
+# with the instruction emulated; the instruction itself where this CPU has it (else compiled below).
+DOTS = {"vpmaddwd": int8.DOT_PRODUCTS["vpmaddwd"],
+        "vpdpbusd-emulated": dataclasses.replace(int8.DOT_PRODUCTS["vpdpbusd"], accumulate=emulated_quads)}
+if HOST_TARGET.int8_instruction == "vpdpbusd":
+    DOTS["vpdpbusd"] = int8.DOT_PRODUCTS["vpdpbusd"]
 
 
 def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -24,12 +44,14 @@ def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(x * inverse[..., None]).astype(np.int16), (top / np.float32(int8.LEVELS)).astype(np.float32)
 
 
-def weight_layout(wq: np.ndarray, width: int) -> np.ndarray:
+def weight_layout(wq: np.ndarray, width: int, depth: int) -> np.ndarray:
     k, n = wq.shape
-    return np.ascontiguousarray(wq.reshape(k // 2, 2, n // width, width).transpose(2, 0, 3, 1).reshape(n // width, k // 2, width * 2))
+    steps = wq.reshape(k // depth, depth, n // width, width).transpose(2, 0, 3, 1)
+    return np.ascontiguousarray(steps.reshape(n // width, k // depth, width * depth))
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("dot", DOTS)
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("lead, n, k", [
     ((7,), 48, 64),  # AVX2: 3 x 3 tiles, two of them and one of a row; 2 panels
@@ -37,9 +59,10 @@ def weight_layout(wq: np.ndarray, width: int) -> np.ndarray:
     ((300,), 16, 32),  # AVX2: one-vector panels of 100 row tiles: no prefetch
 ])
 @pytest.mark.parametrize("activation, residual", [(None, False), ("relax.nn.gelu", False), (None, True)])
-def test_int8_kernel_sums_exactly_what_numpy_sums(lanes, lead, n, k, activation, residual):
+def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activation, residual):
     import tvm
 
+    dot = DOTS[dot]
     if int8.tile(n, lanes) is None:
         pytest.skip("N is not a multiple of the lanes")
     m = int(np.prod(lead))
@@ -53,18 +76,19 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(lanes, lead, n, k, activation,
     wq = np.clip(np.rint(w / sw), -int8.LEVELS, int8.LEVELS).astype(np.int8)
     rows, vectors = int8.tile(n, lanes)
 
-    module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead).with_attr("global_symbol", "quantize"),
-                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual).with_attr("global_symbol", "matmul")})
+    module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead, dot).with_attr("global_symbol", "quantize"),
+                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot).with_attr("global_symbol", "matmul")})
     library = tvm.compile(module, target=HOST)
-    xq, sx = tvm.runtime.tensor(np.zeros((*lead, k), "int16")), tvm.runtime.tensor(np.zeros(m, "float32"))
+    xq, sx = tvm.runtime.tensor(np.zeros((*lead, k), dot.rows_dtype)), tvm.runtime.tensor(np.zeros(m, "float32"))
     library["quantize"](tvm.runtime.tensor(x), xq, sx)
     want_xq, want_sx = quantized_rows(x)
-    np.testing.assert_array_equal(xq.numpy(), want_xq)
+    np.testing.assert_array_equal(xq.numpy(), (want_xq + dot.offset).astype(dot.rows_dtype))
     np.testing.assert_array_equal(sx.numpy(), want_sx.reshape(-1))
     assert np.abs(want_xq).max() == int8.LEVELS
 
     y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
-    library["matmul"](xq, sx, *(tvm.runtime.tensor(a) for a in (weight_layout(wq, vectors * lanes), sw, b, r)), y)
+    start = (-dot.offset * wq.astype(np.int32).sum(0)).astype(np.int32) if dot.offset else np.zeros(1, np.int32)
+    library["matmul"](xq, sx, *(tvm.runtime.tensor(a) for a in (weight_layout(wq, vectors * lanes, dot.depth), start, sw, b, r)), y)
     sums = want_xq.reshape(m, k).astype(np.int64) @ wq.astype(np.int64)  # what the int32 lanes must hold, exactly
     expected = (sums.astype(np.float32) * (want_sx.reshape(m, 1) * sw) + b).reshape(*lead, n).astype(np.float64)
     if activation:
@@ -78,14 +102,27 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(lanes, lead, n, k, activation,
         assert np.abs(y.numpy() - reference).max() < 0.05 * np.abs(reference).max()
 
 
-def test_the_avx512_kernel_compiles_to_512_bit_pair_products():
-    """Only compiled: this host may lack AVX-512."""
+@pytest.mark.parametrize("mcpu, instruction, register", [
+    ("skylake-avx512", "vpmaddwd", "zmm"),  # AVX-512 without VNNI
+    ("znver4", "vpdpbusd", "zmm"),  # AVX512-VNNI
+    ("sapphirerapids", "vpdpbusd", "zmm"),
+    ("alderlake", "vpdpbusd", "ymm"),  # AVX-VNNI without AVX-512
+    ("haswell", "vpmaddwd", "ymm"),
+])
+def test_each_target_gets_the_widest_dot_product_it_has(mcpu, instruction, register):
+    """Only compiled: this host may lack them."""
     import tvm
 
-    target = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
-    executable = tvm.tirx.build(tvm.IRModule({"main": int8.kernel(14, 96, 64, 16, activation="relax.nn.gelu")}), target=target)
-    assembly = executable.inspect_source("asm")
-    assert "vpmaddwd\t%zmm" in assembly and "vpmovsxbw" in assembly
+    from tvmbert.core.targets import resolve
+
+    spec = resolve(f"llvm -mcpu={mcpu}")
+    assert spec.int8_instruction == instruction
+    dot = int8.DOT_PRODUCTS[instruction]
+    module = tvm.IRModule({"main": int8.kernel(14, 96, 64, spec.int8_lanes, activation="relax.nn.gelu", dot=dot)})
+    assembly = tvm.tirx.build(module, target=spec.tvm_target()).inspect_source("asm")
+    rows, vectors = int8.tile(96, spec.int8_lanes)
+    at_width = [line for line in assembly.splitlines() if f"{instruction}\t" in line and f"%{register}" in line]
+    assert len(at_width) >= rows * vectors  # a whole tile's k step, at least
 
 
 @pytest.mark.simd
@@ -100,6 +137,19 @@ def test_bert_tiny_in_int8_builds_verifies_and_keeps_the_rest_fp32(tvmbert, work
     # Q/K/V, attention output, FFN in (with its GELU) and out, and the pooler (2 rows): every weight matmul
     assert len(meta["int8_kernels"]) == 5 and meta["int8_quantize_kernels"] and "fma_kernels" not in meta
     assert meta["layer_norm_kernels"]  # fp32, as in a float32 build
+    assert meta["int8_instructions"][HOST_TARGET.int8_instruction] > 0
+
+
+def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert, workdir):
+    """Compiled only: this host may lack VNNI (the kernel's arithmetic is checked emulated above)."""
+    import json
+
+    outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--target", "llvm -mcpu=znver4", "--json")
+    assert outcome.code == 0, outcome.stderr
+    meta = json.loads(next(workdir.glob("bert-tiny/b1-s14-int8/llvm-znver4/build/stage.json")).read_text())
+    meta = meta.get("meta", meta)
+    assert len(meta["int8_kernels"]) == 5
+    assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddwd"] == 0
 
 
 def test_the_int8_kernels_width_follows_the_pair_product_the_target_has():

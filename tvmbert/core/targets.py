@@ -99,6 +99,14 @@ class TargetSpec:
         return 8 if self.has_features("avx2", "fma") else 0
 
     @cached_property
+    def int8_instruction(self) -> str:
+        """The int8 kernel's dot product (``kernels/int8.py``'s DOT_PRODUCTS): ``vpdpbusd``, four
+        products a lane, where the target has VNNI at the kernel's width (AVX512-VNNI on 512 bits,
+        AVX-VNNI on 256), else ``vpmaddwd``, two."""
+        vnni = "avx512vnni" if self.int8_lanes == 16 else "avxvnni"
+        return "vpdpbusd" if self.int8_lanes and self.has_features(vnni) else "vpmaddwd"
+
+    @cached_property
     def has_amx_bf16(self) -> bool:
         return self.has_features(AMX_BF16)
 

@@ -18,12 +18,12 @@ class Kernel:
     name: str  # build's metadata lists the kernels of a library as "<name>_kernels"
     attribute: str  # the PrimFunc attribute marking it (tuning and the default schedules leave it alone)
     graph_pass: str  # the pass that calls it
-    instructions_in: Callable[[object], int] | None = None  # (executable) -> the count of its key instruction
+    instructions_in: Callable[[object], dict[str, int]] | None = None  # (executable) -> its key instructions, counted
 
 
 KERNELS = (
     Kernel("amx", amx.KERNEL_ATTR, "amx-bf16", amx.instructions_in),
-    Kernel("int8", int8.KERNEL_ATTR, "int8-matmuls"),
+    Kernel("int8", int8.KERNEL_ATTR, "int8-matmuls", int8.instructions_in),
     Kernel("int8_quantize", int8.QUANTIZE_ATTR, "int8-matmuls"),
     Kernel("fma", fma.KERNEL_ATTR, "fma-fp32"),
     Kernel("attention", attention.KERNEL_ATTR, "attention-fp32"),

@@ -19,7 +19,7 @@ keeps the bf16 loop nest.
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import whole
+from tvmbert.kernels.fma import assembly_of, whole
 from tvmbert.kernels.scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.amx_bf16"  # PrimFunc attribute marking the kernel (build counts them)
@@ -118,11 +118,6 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
     return amx_matmul
 
 
-def instructions_in(executable) -> int:
-    """How many ``tdpbf16ps`` the executable's CPU code holds (its assembly, generated again)."""
-    count = 0
-    for imported in executable.mod.imports:
-        if imported.kind == "llvm":
-            count += imported.inspect_source("asm").count(INSTRUCTION)
-        count += sum(m.inspect_source("asm").count(INSTRUCTION) for m in imported.imports if m.kind == "llvm")
-    return count
+def instructions_in(executable) -> dict[str, int]:
+    """How many ``tdpbf16ps`` the executable's CPU code holds."""
+    return {INSTRUCTION: assembly_of(executable).count(INSTRUCTION)}

@@ -61,6 +61,17 @@ def whole(buffer):
     return tvm.tirx.BufferRegion(buffer, [tvm.ir.Range.from_min_extent(0, d) for d in buffer.shape])
 
 
+def assembly_of(executable) -> str:
+    """A built executable's CPU code as assembly (generated again from its LLVM modules): where a
+    kernel's key instructions are counted."""
+    parts = []
+    for imported in executable.mod.imports:
+        if imported.kind == "llvm":
+            parts.append(imported.inspect_source("asm"))
+        parts.extend(m.inspect_source("asm") for m in imported.imports if m.kind == "llvm")
+    return "\n".join(parts)
+
+
 def prefetch_to_l2(address):
     """TIR: a software prefetch of the line at ``address`` (read, into L2: locality 2, data)."""
     from tvm.script import tirx as T

@@ -3,23 +3,33 @@ channel), the activations per row at run time (symmetric, as each call finds the
 summed exactly in int32, then dequantized as the tile is stored, with the bias and the activation
 or residual add. The pass ``int8-matmuls`` (``passes/int8_matmuls.py``) calls them.
 
-The dot products run on ``pmaddwd`` (``vpmaddwd``): int16 pairs multiplied and summed into int32
-lanes, the int8 values sign-extended to int16 first. It is exact (two products of int8 sum to at
-most 2 x 127 x 127), where ``pmaddubsw`` (u8 x s8, the route of ONNX Runtime's dynamic
-quantization and of MetaSchedule's x86 intrinsics without VNNI) saturates its int16 sums of two
-products at 32767 and so needs 7-bit weights or a shifted u8 input to stay exact. AVX2 and AVX-512
-both have it: one kernel, the vector width from the target. The weight is stored as int8 (a
-quarter of fp32's bytes to stream: few-row matmuls are bound by that) in panels as the FMA kernel
-keeps them (``kernels/fma.py``), each k step a pair of rows: ``Wq[N / width, K / 2, width, 2]``,
-loaded as ``width x 2`` int8 and widened to int16 on the fly (``vpmovsxbw``).
+The dot products run on one of two instructions (``DOT_PRODUCTS``, the target picks):
+
+- ``vpdpbusd`` (AVX512-VNNI on 512 bits, AVX-VNNI on 256): four u8 x s8 products summed into each
+  int32 lane, in place. Its row operand is unsigned: the rows are quantized to the same symmetric
+  levels, stored with 128 added (1..255), and each column's accumulators start from
+  ``-128 x sum_k Wq[k, n]`` (computed once at build time), which takes the offset back exactly.
+- ``vpmaddwd`` (AVX2, AVX-512 BW), where there is no VNNI: int16 pairs multiplied and summed into
+  int32 lanes, the int8 weights sign-extended to int16 on load (``vpmovsxbw``), the rows quantized
+  to int16. Exact, where ``pmaddubsw`` (u8 x s8, the route of ONNX Runtime's dynamic quantization
+  and of MetaSchedule's x86 intrinsics without VNNI) saturates its int16 sums of two products at
+  32767 and so needs 7-bit weights to stay exact.
+
+Both are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K < 44000). The weight
+is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are bound by that) in
+panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth`` rows of it:
+``Wq[N / width, K / depth, width x depth]``.
 
 Per tile of ``rows`` rows, ``rows x vectors`` int32 accumulators for the whole reduction; each k
-pair one broadcast of the row's two int16 values (one int32) per row, and one widened weight load
-per vector."""
+step one broadcast of the row's ``depth`` values (one int32) per row, and one weight load per
+vector."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tvmbert.kernels.fma import ACTIVATIONS, assembly_of, CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
 
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
@@ -39,28 +49,64 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
 
 
 def fits(n: int, k: int, lanes: int) -> bool:
-    """Whether an N x K weight matmul runs here: K in whole vectors (the row quantization's; pairs
-    for the matmul), N in whole tiles."""
+    """Whether an N x K weight matmul runs here: K in whole vectors (the row quantization's; whole
+    k steps for the matmul), N in whole tiles."""
     return lanes > 0 and k % lanes == 0 and tile(n, lanes) is not None
 
 
-def pair_product(lanes: int):
-    """TIR: ``pmaddwd(a, b)`` on ``2 x lanes`` int16 -> ``lanes`` int32 (AVX2 or AVX-512 by the lanes)."""
+@dataclass(frozen=True)
+class DotProduct:
+    """How one instruction adds int8 products to int32 lanes: ``depth`` of them a lane, the rows
+    quantized to ``rows_dtype`` with ``offset`` added to their levels (taken back by the columns'
+    accumulator start), and ``accumulate(acc, row_word, weights, lanes)``: TIR adding to the
+    ``lanes`` int32 ``acc`` the products of ``row_word`` (the row's ``depth`` values in one int32,
+    broadcast to every lane) with ``weights`` (``depth x lanes`` int8)."""
+
+    instruction: str  # as the kernel's assembly shows it
+    depth: int
+    rows_dtype: str
+    offset: int
+    accumulate: Callable
+
+
+def _pairs(acc, row_word, weights, lanes: int):
     from tvm.script import tirx as T
 
     name = "llvm.x86.avx512.pmaddw.d.512" if lanes == 16 else "llvm.x86.avx2.pmadd.wd"
+    pairs = f"int16x{2 * lanes}"
+    return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", T.llvm_lookup_intrinsic_id(name),
+                                         T.reinterpret(row_word, dtype=pairs), T.Cast(pairs, weights))
 
-    def product(a, b):
-        return T.call_llvm_pure_intrin(f"int32x{lanes}", T.llvm_lookup_intrinsic_id(name), a, b)
 
-    return product
+def _quads(acc, row_word, weights, lanes: int):
+    from tvm.script import tirx as T
+
+    # LLVM 22 declares the byte operands as i8 vectors; .256 is AVX-VNNI's as well as AVX512-VNNI's.
+    name = f"llvm.x86.avx512.vpdpbusd.{32 * lanes}"
+    return T.call_llvm_pure_intrin(f"int32x{lanes}", T.llvm_lookup_intrinsic_id(name), acc,
+                                   T.reinterpret(row_word, dtype=f"int8x{4 * lanes}"), weights)
+
+
+DOT_PRODUCTS = {dot.instruction: dot for dot in (
+    DotProduct("vpdpbusd", 4, "uint8", 128, _quads),
+    DotProduct("vpmaddwd", 2, "int16", 0, _pairs),
+)}
+
+
+def instructions_in(executable) -> dict[str, int]:
+    """How many of each dot product's instruction the executable's CPU code holds: which one its
+    int8 matmuls run on."""
+    assembly = assembly_of(executable)
+    return {name: assembly.count(f"{name}\t") for name in DOT_PRODUCTS}
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False):
-    """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
-    with xq int16 holding int8 values, Wq as the module docstring lays it out; ``m`` (the product
-    of ``lead``) any row count; without ``residual``, r is one unread float."""
+           residual: bool = False, dot: DotProduct = DOT_PRODUCTS["vpmaddwd"]):
+    """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
+    with xq the rows as ``quantize_rows_kernel(..., dot)`` stores them, Wq as the module docstring
+    lays it out, c0 the accumulators' start (``-offset x sum_k Wq[k, n]``; one unread int where
+    ``dot`` has no offset); ``m`` (the product of ``lead``) any row count; without ``residual``,
+    r is one unread float."""
     import tvm
     from tvm.script import tirx as T
 
@@ -69,12 +115,14 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     residual_shape = (*lead, n) if residual else (1,)
     rows, vectors = tile(n, lanes)
     width = vectors * lanes
-    pairs = k // 2
+    depth = dot.depth
+    words = k // depth  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
-    panel_lines = pairs * width * 2 // CACHE_LINE
-    steps = (tiles + (last_rows > 0)) * pairs
+    panel_lines = k * width // CACHE_LINE
+    steps = (tiles + (last_rows > 0)) * words
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
-    product = pair_product(lanes)
+    offset = dot.offset > 0
+    start_shape = (n,) if offset else (1,)
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)
 
@@ -82,12 +130,21 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
         return min(tile_rows, group_rows), tile_rows - min(tile_rows, group_rows)
 
     @T.macro
-    def accumulate(x32, wq, acc, p, first_row, group, kp):
+    def accumulate(x32, wq, acc, p, first_row, group, kw):
         for i in T.unroll(group):
-            pair = T.reinterpret(T.broadcast(x32[first_row + i, kp], lanes), dtype=f"int16x{2 * lanes}")
+            row_word = T.broadcast(x32[first_row + i, kw], lanes)
             for v in T.unroll(vectors):
-                acc[i, T.ramp(v * lanes, 1, lanes)] = acc[i, T.ramp(v * lanes, 1, lanes)] + product(
-                    pair, T.Cast(f"int16x{2 * lanes}", wq[p, kp, T.ramp(v * 2 * lanes, 1, 2 * lanes)]))
+                acc[i, T.ramp(v * lanes, 1, lanes)] = dot.accumulate(
+                    acc[i, T.ramp(v * lanes, 1, lanes)], row_word, wq[p, kw, T.ramp(v * depth * lanes, 1, depth * lanes)], lanes)
+
+    @T.macro
+    def begin(c0, acc, p, group):
+        for i in T.unroll(group):
+            for v in T.unroll(vectors):
+                if offset:
+                    acc[i, T.ramp(v * lanes, 1, lanes)] = c0[T.ramp(p * width + v * lanes, 1, lanes)]
+                else:
+                    acc[i, T.ramp(v * lanes, 1, lanes)] = T.broadcast(T.int32(0), lanes)
 
     @T.macro
     def store(sx, sw, b, rf, yf, acc, p, first_row, group):
@@ -103,56 +160,54 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                             * (sx[first_row + i] * sw[p * width + v * lanes + j]) + b[p * width + v * lanes + j])
 
     @T.macro
-    def row_tile(x32, sx, wq, wf, sw, b, rf, yf, p, t, head, tail):
+    def row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, head, tail):
         acc_head = T.alloc_buffer((head, width), "int32")
         acc_tail = T.alloc_buffer((max(tail, 1), width), "int32")
-        for i in T.unroll(head):
-            for v in T.unroll(vectors):
-                acc_head[i, T.ramp(v * lanes, 1, lanes)] = T.broadcast(T.int32(0), lanes)
+        begin(c0, acc_head, p, head)
         if tail > 0:
-            for i in T.unroll(tail):
-                for v in T.unroll(vectors):
-                    acc_tail[i, T.ramp(v * lanes, 1, lanes)] = T.broadcast(T.int32(0), lanes)
-        # One k pair per step, not unrolled: LLVM unrolls it by itself, where unrolling 8 made it load
+            begin(c0, acc_tail, p, tail)
+        # One k step at a time, not unrolled: LLVM unrolls it by itself, where unrolling 8 made it load
         # later steps' weights early and spill accumulators (128 x 3072 x 768, 2 Zen 3 cores: 275 -> 294 GOP/s).
-        for kp in range(pairs):
+        for kw in range(words):
             for q in T.unroll(per_step):
-                T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (pairs * width * 2) + T.min(
-                    (t * pairs + kp) * per_step + q, panel_lines - 1) * CACHE_LINE])))
-            accumulate(x32, wq, acc_head, p, t * rows, head, kp)
+                T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(
+                    (t * words + kw) * per_step + q, panel_lines - 1) * CACHE_LINE])))
+            accumulate(x32, wq, acc_head, p, t * rows, head, kw)
             if tail > 0:
-                accumulate(x32, wq, acc_tail, p, t * rows + head, tail, kp)
+                accumulate(x32, wq, acc_tail, p, t * rows + head, tail, kw)
         store(sx, sw, b, rf, yf, acc_head, p, t * rows, head)
         if tail > 0:
             store(sx, sw, b, rf, yf, acc_tail, p, t * rows + head, tail)
 
     @T.prim_func(s_tir=True)
-    def int8_matmul(x: T.Buffer((*lead, k), "int16"), sx: T.Buffer((m,), "float32"),
-                    wq: T.Buffer((panels, pairs, width * 2), "int8"), sw: T.Buffer((n,), "float32"),
-                    b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"), y: T.Buffer((*lead, n), "float32")):
+    def int8_matmul(x: T.Buffer((*lead, k), dot.rows_dtype), sx: T.Buffer((m,), "float32"),
+                    wq: T.Buffer((panels, words, width * depth), "int8"), c0: T.Buffer(start_shape, "int32"),
+                    sw: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"),
+                    y: T.Buffer((*lead, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("int8_tiles"):
-                T.reads(whole(x), whole(sx), whole(wq), whole(sw), whole(b), whole(r))
+                T.reads(whole(x), whole(sx), whole(wq), whole(c0), whole(sw), whole(b), whole(r))
                 T.writes(whole(y))
-                x32 = T.decl_buffer((m, pairs), "int32", data=x.data)
+                x32 = T.decl_buffer((m, words), "int32", data=x.data)
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 yf = T.decl_buffer((m, n), "float32", data=y.data)
-                wf = T.decl_buffer((panels * pairs * width * 2,), "int8", data=wq.data)
+                wf = T.decl_buffer((panels * k * width,), "int8", data=wq.data)
                 for p in T.parallel(panels):
                     for t in range(tiles):
-                        row_tile(x32, sx, wq, wf, sw, b, rf, yf, p, t, *groups(rows))
+                        row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, *groups(rows))
                     if last_rows > 0:
-                        row_tile(x32, sx, wq, wf, sw, b, rf, yf, p, tiles, *groups(last_rows))
+                        row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, tiles, *groups(last_rows))
 
     assert isinstance(int8_matmul, tvm.tirx.PrimFunc)
     return int8_matmul
 
 
-def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | None = None):
+def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | None = None,
+                         dot: DotProduct = DOT_PRODUCTS["vpmaddwd"]):
     """The PrimFunc ``(xq[*lead, k], sx[m]) = quantize(x[*lead, k])``: per row, ``sx = max|x| / 127``
-    and ``xq = round(x / sx)`` (half to even, as NumPy rounds) in int16; a row of zeros gets
-    ``sx = 0`` and zeros."""
+    and ``xq = round(x / sx) + offset`` (half to even, as NumPy rounds) in ``dot``'s rows dtype; a
+    row of zeros gets ``sx = 0`` and ``xq = offset``."""
     import tvm
     from tvm.script import tirx as T
 
@@ -161,14 +216,14 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
     vectors = k // lanes
 
     @T.prim_func(s_tir=True)
-    def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer((*lead, k), "int16"), sx: T.Buffer((m,), "float32")):
+    def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer((*lead, k), dot.rows_dtype), sx: T.Buffer((m,), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, QUANTIZE_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("quantize_rows"):
                 T.reads(whole(x))
                 T.writes(whole(xq), whole(sx))
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
-                qf = T.decl_buffer((m, k), "int16", data=xq.data)
+                qf = T.decl_buffer((m, k), dot.rows_dtype, data=xq.data)
                 for row in T.parallel(m):
                     peak = T.alloc_buffer((lanes,), "float32")
                     for j in T.vectorized(lanes):
@@ -185,7 +240,8 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
                     inverse[0] = T.Select(top[0] > T.float32(0), T.float32(LEVELS) / top[0], T.float32(0))
                     for v in range(vectors):
                         for j in T.vectorized(lanes):
-                            qf[row, v * lanes + j] = T.Cast("int16", T.nearbyint(xf[row, v * lanes + j] * inverse[0]))
+                            qf[row, v * lanes + j] = T.Cast(dot.rows_dtype, T.nearbyint(xf[row, v * lanes + j] * inverse[0])
+                                                            + T.float32(dot.offset))
 
     assert isinstance(quantize_rows, tvm.tirx.PrimFunc)
     return quantize_rows

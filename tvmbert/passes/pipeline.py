@@ -89,7 +89,7 @@ def _layer_norm_fp32(context):
 def _int8_matmuls(context):
     from tvmbert.passes.int8_matmuls import int8_matmuls
 
-    return [int8_matmuls(context.target.int8_lanes)]
+    return [int8_matmuls(context.target.int8_lanes, context.target.int8_instruction)]
 
 
 def _fma_fp32(context):
