@@ -31,6 +31,7 @@ def main() -> None:
     use_every_core()
     target = resolve("llvm")
     lanes, device, rng = target.fp32_lanes, tvm.cpu(), np.random.default_rng(0)
+    dot = int8.DOT_PRODUCTS[target.int8_instruction]
 
     def timer(function, operands, rows):
         library = tvm.compile(tvm.IRModule({"main": function}), target=target.tvm_target()).jit()
@@ -38,7 +39,7 @@ def main() -> None:
         evaluate = library.time_evaluator("main", device, number=max(1, 2000 // rows), repeat=1)
         return lambda: evaluate(*arrays).mean
 
-    print(f"{target.key}, {lanes} fp32 lanes")
+    print(f"{target.key}, {lanes} fp32 lanes, int8 on {dot.instruction}")
     print("| rows x N x K | fp32 FMA GFLOP/s | int8 GOP/s | int8 / fp32 |")
     print("| --- | --- | --- | --- |")
     for m in (int(r) for r in args.rows.split(",")):
@@ -48,9 +49,10 @@ def main() -> None:
             fp32 = timer(fma.kernel(m, n, k, lanes), [
                 rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n // width_f, k, width_f), dtype=np.float32),
                 np.zeros(n, "float32"), np.zeros(1, "float32"), np.zeros((m, n), "float32")], m)
-            quantized = timer(int8.kernel(m, n, k, lanes), [
-                rng.integers(-127, 128, (m, k)).astype("int16"), np.ones(m, "float32"),
-                rng.integers(-127, 128, (n // width_q, k // 2, width_q * 2)).astype("int8"), np.ones(n, "float32"),
+            quantized = timer(int8.kernel(m, n, k, lanes, dot=dot), [
+                (rng.integers(-127, 128, (m, k)) + dot.offset).astype(dot.rows_dtype), np.ones(m, "float32"),
+                rng.integers(-127, 128, (n // width_q, k // dot.depth, width_q * dot.depth)).astype("int8"),
+                np.zeros(n if dot.offset else 1, "int32"), np.ones(n, "float32"),
                 np.zeros(n, "float32"), np.zeros(1, "float32"), np.zeros((m, n), "float32")], m)
             best = [float("inf")] * 2
             for _ in range(20):
