@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tvmbert.kernels.fma import ACTIVATIONS, assembly_of, CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
+from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, assembly_of, prefetch_to_l2, whole
 
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
