@@ -34,8 +34,8 @@ QUIET_MAX_S = 1.0
 IDLE_S = 0.2  # "after idle": a call after this long without calls, as bursty traffic makes them
 IDLE_RUNS = 5
 # The machine's own jitter, timed in the same rounds: a fixed single-thread task (a SHA-256 of
-# JITTER_BYTES, ~0.1-0.3 ms) JITTER_RUNS times a round. Its p99 over its median is the tail no
-# engine can beat here (a shared 2-core Zen 3 VM: 1.4x to 5x over an hour).
+# JITTER_BYTES, 0.7 ms on Zen 3) JITTER_RUNS times a round. Its p99 over its median is the tail no
+# engine can beat here (a shared 2-core Zen 3 VM: 1.26x to 2.03x within an hour).
 JITTER_BYTES = 2**20
 JITTER_RUNS = 3
 
