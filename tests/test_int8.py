@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -138,6 +139,26 @@ def test_bert_tiny_in_int8_builds_verifies_and_keeps_the_rest_fp32(tvmbert, work
     assert len(meta["int8_kernels"]) == 5 and meta["int8_quantize_kernels"] and "fma_kernels" not in meta
     assert meta["layer_norm_kernels"]  # fp32, as in a float32 build
     assert meta["int8_instructions"][HOST_TARGET.int8_instruction] > 0
+
+
+@pytest.mark.simd
+def test_bert_tiny_in_int8_the_vnni_way_verifies_with_the_instruction_emulated(tvmbert, tmp_path, monkeypatch):
+    """The whole VNNI route on any host: u8 rows, quads of weights, the columns' starts computed at
+    build time (none of which the kernel test above sees), against fp32 PyTorch."""
+    from tvmbert.core.targets import TargetSpec
+
+    monkeypatch.setattr(TargetSpec, "int8_instruction", property(lambda self: "vpdpbusd"))
+    monkeypatch.setitem(int8.DOT_PRODUCTS, "vpdpbusd", DOTS["vpdpbusd-emulated"])
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--batch", "2", "--seq-len", "10", "--json",
+                      "--workdir", str(tmp_path))
+    assert outcome.code == 0, outcome.stderr
+    assert 1e-4 < outcome.json["max_abs_diff"] < 0.05
+    assert {m["name"]: m["value"] for m in outcome.json["accuracy"]}["cosine_min"] > 0.999
+    # every weight matmul took the VNNI route: u8 rows, and a start per column (LLVM makes the
+    # emulation's adjacent products vpmaddwd, so the library alone would not tell)
+    optimized = (tmp_path / "bert-tiny" / "b2-s10-int8" / "optimize" / "module.py").read_text()
+    assert len(re.findall(r'\(x: T\.Buffer\(\([^)]*\), "uint8"\)', optimized)) == 5
+    assert len(re.findall(r'c0: T\.Buffer\(\((128|384|512),\), "int32"\)', optimized)) == 5
 
 
 def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert, workdir):
