@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tvmbert.stages.bench.engines import Engine, _check
-from tvmbert.stages.bench.timing import _ratios
+from tvmbert.stages.bench.timing import _ratios, measure
 
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
 
@@ -95,3 +95,25 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_benchmark(tvmber
         outcome = tvmbert("bench", "bert-tiny", option, str(path), "--workdir", str(tmp_path / "work"))
         assert outcome.code == 2 and option in outcome.stderr and fragment in outcome.stderr, outcome.stderr
     assert not (tmp_path / "work").exists()  # nothing was built or timed
+
+
+def test_timed_calls_never_collect_garbage_and_the_machine_jitter_is_reported():
+    """No engine's timing holds a collection of the objects every engine's setup left (the
+    process holds them all; a process serving one engine would not), and the machine's own
+    jitter comes with the figures."""
+    import gc
+
+    seen = []
+
+    def run():
+        seen.append(gc.isenabled())
+        [object() for _ in range(1000)]  # what an engine's call allocates
+
+    engines = [Engine(name, run, lambda: []) for name in ("a", "b")]
+    enabled_before = gc.isenabled()
+    jitter = measure(engines, warmup=1, repeat=3, min_time_s=0.0)
+    timed = sum(len(e.timings_ms) + len(e.after_idle_ms) for e in engines)
+    assert seen[:2] == [enabled_before] * 2  # the warm-up as the process had it
+    assert len(seen) - 2 >= timed and not any(seen[2:])  # every call after it, timed or waking, without
+    assert gc.isenabled() == enabled_before and gc.get_freeze_count() == 0  # the collector as it was, nothing left frozen
+    assert jitter["median_ms"] > 0 and jitter["p99_ratio"] >= 1 and jitter["runs"] >= 3 * 2
