@@ -112,7 +112,7 @@ def heap_buffers(library) -> list[str]:
     return re.findall(rf"%(\w+) = (?:tail )?call ptr %(?:{pointers})\(", source) if pointers else []
 
 
-def build_meta(workdir, key: str) -> dict:
-    stage = workdir / "bert-tiny" / key / targets.resolve("llvm").key / "build" / "stage.json"
+def build_meta(workdir, key: str, target: str = "llvm") -> dict:
+    stage = workdir / "bert-tiny" / key / targets.resolve(target).key / "build" / "stage.json"
     meta = json.loads(stage.read_text())
     return meta.get("meta", meta)

@@ -163,12 +163,9 @@ def test_bert_tiny_in_int8_the_vnni_way_verifies_with_the_instruction_emulated(t
 
 def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert, workdir):
     """Compiled only: this host may lack VNNI (the kernel's arithmetic is checked emulated above)."""
-    import json
-
     outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--target", "llvm -mcpu=znver4", "--json")
     assert outcome.code == 0, outcome.stderr
-    meta = json.loads(next(workdir.glob("bert-tiny/b1-s14-int8/llvm-znver4/build/stage.json")).read_text())
-    meta = meta.get("meta", meta)
+    meta = build_meta(workdir, "b1-s14-int8", target="llvm -mcpu=znver4")
     assert len(meta["int8_kernels"]) == 5
     assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddwd"] == 0
 

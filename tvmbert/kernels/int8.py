@@ -15,10 +15,10 @@ The dot products run on one of two instructions (``DOT_PRODUCTS``, the target pi
   and of MetaSchedule's x86 intrinsics without VNNI) saturates its int16 sums of two products at
   32767 and so needs 7-bit weights to stay exact.
 
-Both are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K < 44000). The weight
-is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are bound by that) in
-panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth`` rows of it:
-``Wq[N / width, K / depth, width x depth]``.
+Both are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
+44000). The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are
+bound by that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth``
+rows of it: ``Wq[N / width, K / depth, width x depth]``.
 
 Per tile of ``rows`` rows, ``rows x vectors`` int32 accumulators for the whole reduction; each k
 step one broadcast of the row's ``depth`` values (one int32) per row, and one weight load per
