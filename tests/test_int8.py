@@ -32,7 +32,7 @@ def emulated_quads(acc, row_word, weights, lanes):
 
 # The kernel with each dot product: VNNI's layout, offset rows and column starts run on every host
 # with the instruction emulated; the instruction itself where this CPU has it (else compiled below).
-DOTS = {"vpmaddwd": int8.DOT_PRODUCTS["vpmaddwd"],
+DOTS = {"vpmaddwd": int8.DOT_PRODUCTS["vpmaddwd"], "vpmaddubsw": int8.DOT_PRODUCTS["vpmaddubsw"],
         "vpdpbusd-emulated": dataclasses.replace(int8.DOT_PRODUCTS["vpdpbusd"], accumulate=emulated_quads)}
 if HOST_TARGET.int8_instruction == "vpdpbusd":
     DOTS["vpdpbusd"] = int8.DOT_PRODUCTS["vpdpbusd"]
@@ -73,8 +73,8 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
     w = rng.standard_normal((k, n), dtype=np.float32)
     b = rng.standard_normal(n, dtype=np.float32)
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
-    sw = (np.abs(w).max(0) / int8.LEVELS).astype(np.float32)
-    wq = np.clip(np.rint(w / sw), -int8.LEVELS, int8.LEVELS).astype(np.int8)
+    sw = (np.abs(w).max(0) / dot.weight_levels).astype(np.float32)
+    wq = np.clip(np.rint(w / sw), -dot.weight_levels, dot.weight_levels).astype(np.int8)  # every column reaches them
     rows, vectors = int8.tile(n, lanes)
 
     module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead, dot).with_attr("global_symbol", "quantize"),
@@ -103,22 +103,26 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
         assert np.abs(y.numpy() - reference).max() < 0.05 * np.abs(reference).max()
 
 
-@pytest.mark.parametrize("mcpu, instruction, register", [
-    ("skylake-avx512", "vpmaddwd", "zmm"),  # AVX-512 without VNNI
-    ("znver4", "vpdpbusd", "zmm"),  # AVX512-VNNI
-    ("sapphirerapids", "vpdpbusd", "zmm"),
-    ("alderlake", "vpdpbusd", "ymm"),  # AVX-VNNI without AVX-512
-    ("haswell", "vpmaddwd", "ymm"),
+@pytest.mark.parametrize("mcpu, reduce_range, instruction, register", [
+    ("skylake-avx512", False, "vpmaddwd", "zmm"),  # AVX-512 without VNNI
+    ("skylake-avx512", True, "vpmaddubsw", "zmm"),
+    ("znver4", False, "vpdpbusd", "zmm"),  # AVX512-VNNI
+    ("znver4", True, "vpdpbusd", "zmm"),
+    ("sapphirerapids", False, "vpdpbusd", "zmm"),
+    ("alderlake", False, "vpdpbusd", "ymm"),  # AVX-VNNI without AVX-512
+    ("haswell", False, "vpmaddwd", "ymm"),
+    ("haswell", True, "vpmaddubsw", "ymm"),
 ])
-def test_each_target_gets_the_widest_dot_product_it_has(mcpu, instruction, register):
-    """Only compiled: this host may lack them."""
+def test_each_target_gets_the_widest_dot_product_it_has(mcpu, reduce_range, instruction, register):
+    """Only compiled: this host may lack them. With 7-bit weights (--reduce-range), a CPU without
+    VNNI multiplies bytes (vpmaddubsw), which would saturate with 8-bit ones."""
     import tvm
 
     from tvmbert.core.targets import resolve
 
     spec = resolve(f"llvm -mcpu={mcpu}")
-    assert spec.int8_instruction == instruction
-    dot = int8.DOT_PRODUCTS[instruction]
+    dot = int8.dot_product(spec.int8_instruction, reduce_range)
+    assert dot.instruction == instruction
     module = tvm.IRModule({"main": int8.kernel(14, 96, 64, spec.int8_lanes, activation="relax.nn.gelu", dot=dot)})
     assembly = tvm.tirx.build(module, target=spec.tvm_target()).inspect_source("asm")
     rows, vectors = int8.tile(96, spec.int8_lanes)
@@ -159,6 +163,25 @@ def test_bert_tiny_in_int8_the_vnni_way_verifies_with_the_instruction_emulated(t
     optimized = (tmp_path / "bert-tiny" / "b2-s10-int8" / "optimize" / "module.py").read_text()
     assert len(re.findall(r'\(x: T\.Buffer\(\([^)]*\), "uint8"\)', optimized)) == 5
     assert len(re.findall(r'c0: T\.Buffer\(\((128|384|512),\), "int32"\)', optimized)) == 5
+
+
+@pytest.mark.simd
+def test_reduce_range_builds_int8_with_7_bit_weights_and_verifies(tvmbert, workdir):
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--reduce-range", "--batch", "2", "--seq-len", "10", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["reduce_range"] is True
+    assert 1e-4 < outcome.json["max_abs_diff"] < 0.05
+    assert {m["name"]: m["value"] for m in outcome.json["accuracy"]}["cosine_min"] > 0.999
+    instruction = int8.dot_product(HOST_TARGET.int8_instruction, True).instruction
+    key = "b2-s10-int8-reducerange"
+    meta = build_meta(workdir, key)
+    assert len(meta["int8_kernels"]) == 5 and meta["int8_instructions"][instruction] > 0
+    with np.load(workdir / "bert-tiny" / key / HOST_TARGET.key / "build" / "params.npz") as params:
+        weights = [params[name] for name in params.files if params[name].dtype == np.int8]
+    assert len(weights) == 2 * 4 + 1  # two layers' Q/K/V, output, FFN in and out, and the pooler
+    assert max(int(np.abs(w).max()) for w in weights) == int8.REDUCED_LEVELS
+    refused = tvmbert("build", "bert-tiny", "--reduce-range")  # float32: nothing to reduce
+    assert refused.code == 2 and "reduce_range" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert, workdir):

@@ -14,9 +14,16 @@ The dot products run on one of two instructions (``DOT_PRODUCTS``, the target pi
   to int16. Exact, where ``pmaddubsw`` (u8 x s8, the route of ONNX Runtime's dynamic quantization
   and of MetaSchedule's x86 intrinsics without VNNI) saturates its int16 sums of two products at
   32767 and so needs 7-bit weights to stay exact.
+- ``vpmaddubsw`` then ``vpmaddwd`` by ones, with 7-bit weights (``--reduce-range``, as ONNX
+  Runtime's ``reduce_range``): the rows and the weights' layout as for ``vpdpbusd``, whose four
+  products a lane it computes in two instructions; an int16 sum of two products stays within
+  255 x 63 x 2 = 32130, so it never saturates. 1.2-1.4x ``vpmaddwd``'s rate on Zen 3; the coarser
+  weights cost accuracy (README: int8).
 
-Both are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
-44000). The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are
+All are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
+44000). Where ``pmaddubsw``'s usual fix, its unsigned operand made ``|row|`` and the weights given
+the row's sign (``vpsignb``), keeps 8-bit weights exact, it costs as many instructions as ``vpmaddwd``
+and ran 0.95-0.98x its speed (``benchmarks/int8_peak.c``). The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are
 bound by that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth``
 rows of it: ``Wq[N / width, K / depth, width x depth]``.
 
@@ -34,6 +41,7 @@ from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, assembly_o
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
 LEVELS = 127  # symmetric int8: -127..127, so that negation never overflows
+REDUCED_LEVELS = 63  # --reduce-range's weights: 7 bits, -63..63
 
 
 def tile(n: int, lanes: int) -> tuple[int, int] | None:
@@ -59,14 +67,16 @@ def fits(n: int, k: int, lanes: int) -> bool:
 class DotProduct:
     """How one instruction adds int8 products to int32 lanes: ``depth`` of them a lane, the rows
     quantized to ``rows_dtype`` with ``offset`` added to their levels (taken back by the columns'
-    accumulator start), and ``accumulate(acc, row_word, weights, lanes)``: TIR adding to the
-    ``lanes`` int32 ``acc`` the products of ``row_word`` (the row's ``depth`` values in one int32,
-    broadcast to every lane) with ``weights`` (``depth x lanes`` int8)."""
+    accumulator start), the weights' levels within +-``weight_levels`` (beyond, a sum could
+    saturate), and ``accumulate(acc, row_word, weights, lanes)``: TIR adding to the ``lanes``
+    int32 ``acc`` the products of ``row_word`` (the row's ``depth`` values in one int32, broadcast
+    to every lane) with ``weights`` (``depth x lanes`` int8)."""
 
     instruction: str  # as the kernel's assembly shows it
     depth: int
     rows_dtype: str
     offset: int
+    weight_levels: int
     accumulate: Callable
 
 
@@ -88,15 +98,33 @@ def _quads(acc, row_word, weights, lanes: int):
                                    T.reinterpret(row_word, dtype=f"int8x{4 * lanes}"), weights)
 
 
+def _byte_pairs(acc, row_word, weights, lanes: int):
+    from tvm.script import tirx as T
+
+    bytes_name, pairs_name = (("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512") if lanes == 16
+                              else ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"))
+    pairs = T.call_llvm_pure_intrin(f"int16x{2 * lanes}", T.llvm_lookup_intrinsic_id(bytes_name),
+                                    T.reinterpret(row_word, dtype=f"int8x{4 * lanes}"), weights)
+    return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", T.llvm_lookup_intrinsic_id(pairs_name), pairs,
+                                         T.broadcast(T.int16(1), 2 * lanes))
+
+
 DOT_PRODUCTS = {dot.instruction: dot for dot in (
-    DotProduct("vpdpbusd", 4, "uint8", 128, _quads),
-    DotProduct("vpmaddwd", 2, "int16", 0, _pairs),
+    DotProduct("vpdpbusd", 4, "uint8", 128, LEVELS, _quads),
+    DotProduct("vpmaddwd", 2, "int16", 0, LEVELS, _pairs),
+    DotProduct("vpmaddubsw", 4, "uint8", 128, REDUCED_LEVELS, _byte_pairs),
 )}
+
+
+def dot_product(instruction: str, reduce_range: bool) -> DotProduct:
+    """The dot product of a target whose widest is ``instruction``: with 7-bit weights
+    (``reduce_range``), ``vpmaddubsw`` where that is ``vpmaddwd``; VNNI's is as fast either way."""
+    return DOT_PRODUCTS["vpmaddubsw" if reduce_range and instruction == "vpmaddwd" else instruction]
 
 
 def instructions_in(executable) -> dict[str, int]:
     """How many of each dot product's instruction the executable's CPU code holds: which one its
-    int8 matmuls run on."""
+    int8 matmuls run on (``vpmaddubsw``'s route holds as many ``vpmaddwd``: its second step)."""
     assembly = assembly_of(executable)
     return {name: assembly.count(f"{name}\t") for name in DOT_PRODUCTS}
 

@@ -4,40 +4,43 @@ residual add after them, become a row quantization of the input and one call of 
 
 from __future__ import annotations
 
-from tvmbert.kernels.int8 import DOT_PRODUCTS, LEVELS, DotProduct, fits, kernel, quantize_rows_kernel, tile
+from tvmbert.kernels.int8 import LEVELS, REDUCED_LEVELS, DotProduct, dot_product, fits, kernel, quantize_rows_kernel, tile
 
 
-def quantized_weight(weight, width: int, dot: DotProduct):
+def quantized_weight(weight, width: int, dot: DotProduct, levels: int = LEVELS):
     """Relax: W[K, N] -> (Wq[N / width, K / depth, width x depth] int8, sw[N], c0[N] int32) with
-    ``sw = max|W[:, n]| / 127``, ``Wq = round(W / sw)`` (a zero column: scale 0, zeros) laid out as
+    ``sw = max|W[:, n]| / levels``, ``Wq = round(W / sw)`` (a zero column: scale 0, zeros) laid out as
     the kernel reads it, and the accumulators' start ``c0 = -offset x sum_k Wq[k, n]`` (None where
     ``dot`` has no offset). Ops on the weight alone: bind-params lifts them into the build-time
     weight transform."""
     from tvm import relax
 
+    assert levels <= dot.weight_levels, (levels, dot.instruction)
     op = relax.op
     k, n = (int(d) for d in weight.ty.shape)
-    scale = op.divide(op.max(op.abs(weight), axis=[0]), relax.const(float(LEVELS), "float32"))
+    scale = op.divide(op.max(op.abs(weight), axis=[0]), relax.const(float(levels), "float32"))
     divisor = op.where(op.greater(scale, relax.const(0.0, "float32")), scale, relax.const(1.0, "float32"))
-    levels = op.astype(op.clip(op.round(op.divide(weight, divisor)), -LEVELS, LEVELS), "int8")
-    steps = op.reshape(levels, (k // dot.depth, dot.depth, n // width, width))
+    quantized = op.astype(op.clip(op.round(op.divide(weight, divisor)), -levels, levels), "int8")
+    steps = op.reshape(quantized, (k // dot.depth, dot.depth, n // width, width))
     laid_out = op.reshape(op.permute_dims(steps, [2, 0, 3, 1]), (n // width, k // dot.depth, width * dot.depth))
-    start = op.multiply(op.sum(op.astype(levels, "int32"), axis=[0]), relax.const(-dot.offset, "int32")) if dot.offset else None
+    start = op.multiply(op.sum(op.astype(quantized, "int32"), axis=[0]), relax.const(-dot.offset, "int32")) if dot.offset else None
     return laid_out, scale, start
 
 
-def int8_matmuls(lanes: int, instruction: str):
+def int8_matmuls(lanes: int, instruction: str, reduce_range: bool = False):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, N a
     multiple of the lanes, K of the lanes (the row quantization's vectors) and the product used by
     nothing else, becomes a row quantization of x and one call of the kernel, together with the
     activation or the residual add that follows it, if any (``kernel_calls.Epilogues``). At every
-    row count: no schedule of TVM's runs int8 faster. Everything else is left as it is."""
+    row count: no schedule of TVM's runs int8 faster. Everything else is left as it is.
+    ``instruction``: the target's widest dot product; ``reduce_range``: 7-bit weights."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count, unread
     from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
 
-    dot = DOT_PRODUCTS[instruction]
+    dot = dot_product(instruction, reduce_range)
+    weight_levels = REDUCED_LEVELS if reduce_range else LEVELS
 
     def takes(_lead, n, k):
         return fits(n, k, lanes)
@@ -55,7 +58,7 @@ def int8_matmuls(lanes: int, instruction: str):
         m = row_count(lead)
         _, vectors = tile(n, lanes)
         emit = rewriter.builder_.emit
-        laid_out, weight_scale, start = quantized_weight(weight, vectors * lanes, dot)
+        laid_out, weight_scale, start = quantized_weight(weight, vectors * lanes, dot, weight_levels)
         laid_out, weight_scale = emit(laid_out), emit(weight_scale)
         start = emit(start) if start is not None else unread("int32")
         quantized = emit(relax.call_tir(quantizer(rewriter, lead, k), [x], [relax.TensorType((*lead, k), dot.rows_dtype),

@@ -26,6 +26,7 @@ class PassContext:
     target: object | None = None  # core.targets.TargetSpec
     fast_math: bool = False
     min_rows: int = 1  # the fewest rows a weight matmul or layer norm runs on our kernels with (kernels/fma.MIN_ROWS)
+    reduce_range: bool = False  # int8: 7-bit weights (kernels/int8.py)
 
     @property
     def fp32_kernels(self) -> bool:
@@ -89,7 +90,7 @@ def _layer_norm_fp32(context):
 def _int8_matmuls(context):
     from tvmbert.passes.int8_matmuls import int8_matmuls
 
-    return [int8_matmuls(context.target.int8_lanes, context.target.int8_instruction)]
+    return [int8_matmuls(context.target.int8_lanes, context.target.int8_instruction, context.reduce_range)]
 
 
 def _fma_fp32(context):

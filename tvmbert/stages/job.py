@@ -56,7 +56,8 @@ class Job:
     def shape_key(self) -> str:
         batch, seq_len = self.shape
         tokens = f"-t{self.config.tokens}" if self.config.tokens is not None else ""
-        return f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-fastmath" if self.config.fast_math else "")
+        return (f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-reducerange" if self.config.reduce_range else "")
+                + ("-fastmath" if self.config.fast_math else ""))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +72,8 @@ class Job:
 
     @property
     def pass_context(self) -> PassContext:
-        return PassContext(self.config.dtype, self.target, self.config.fast_math, fma.min_rows(self.target.key))
+        return PassContext(self.config.dtype, self.target, self.config.fast_math, fma.min_rows(self.target.key),
+                           self.config.reduce_range)
 
     @property
     def packed(self) -> bool:

@@ -23,6 +23,9 @@ DEFAULT_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat
 # --fast-math trades exactness for speed (tanh GELU, fast exp): verify reports the error it
 # measures (~2e-5 on bert-tiny); this bound only catches a broken approximation.
 FAST_MATH_TOLERANCE = 1e-2
+# --reduce-range's 7-bit weights: all-MiniLM-L6-v2 measures 5.2 (8-bit: 0.23). A broken build's
+# bound only, as int8's: the accuracy bars gate it; a label's tie margin stays int8's.
+REDUCED_RANGE_TOLERANCE = 10.0
 # What each head's users compare with fp32 (core/accuracy.py), the least value that passes, by
 # dtype. fp32 and fp64 are held to the max abs diff already; their bars only catch a metric gone
 # wrong. Spearman's is 0.99 there too: a random-weight model's sentence embeddings are all nearly
@@ -58,6 +61,7 @@ class VerifyResult:
     tolerance: float
     dtype: str
     fast_math: bool
+    reduce_range: bool
     samples: int
     target: str
     outputs: list[OutputDiff]
@@ -97,7 +101,9 @@ def verify(job: Job) -> VerifyResult:
     if not job.target.device_present():
         raise ToolchainError(f"verify runs the model: this machine has no {job.target.kind} device (the build itself is at {built.path})")
     options = job.config.verify
-    tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
+    # The margin within which a label may move (accuracy.py's tie), and the max abs diff allowed.
+    tie = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
+    tolerance = max(tie, REDUCED_RANGE_TOLERANCE) if job.config.reduce_range and not options.tolerance else tie
     reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     compiled = CompiledModel(built, job)
     names = reference.output_names
@@ -140,7 +146,7 @@ def verify(job: Job) -> VerifyResult:
             )
     outputs = [worst[i] for i in sorted(worst)]
     max_abs = max(o.max_abs_diff for o in outputs)
-    metrics = head.metrics(np.concatenate(compared[0]), np.concatenate(compared[1]), ACCURACY_BARS[job.config.dtype], tolerance)
+    metrics = head.metrics(np.concatenate(compared[0]), np.concatenate(compared[1]), ACCURACY_BARS[job.config.dtype], tie)
     result = VerifyResult(
         passed=bool(max_abs <= tolerance) and all(m.passed for m in metrics),
         max_abs_diff=max_abs,
@@ -148,6 +154,7 @@ def verify(job: Job) -> VerifyResult:
         tolerance=tolerance,
         dtype=job.config.dtype,
         fast_math=job.config.fast_math,
+        reduce_range=job.config.reduce_range,
         samples=options.samples,
         target=job.target.key,
         outputs=outputs,

@@ -134,7 +134,8 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
                 results.append(bench_shape(shaped, actual, engines, threads))
     # --allow-random-weights: the weights every engine ran drawn at random, said once for the report.
     drawn = sorted({name for result in results for name in result.pop("random_weights")})
-    report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn, "environment": environment(job, threads),
+    report = {"model": job.source.name, "dtype": job.config.dtype, "reduce_range": job.config.reduce_range, "random_weights": drawn,
+              "environment": environment(job, threads),
               "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})
