@@ -1,5 +1,6 @@
 """The int8 kernel against the FMA kernel on bert-base's weight matmuls, alone (hot: weights in
-cache), interleaved, the best of 20 rounds each: GOP/s of each and their ratio. With
+cache), interleaved, the best of 20 rounds each: GOP/s of each and their ratio; and the int8 kernel
+with 7-bit weights (--reduce-range: ``vpmaddubsw`` on a CPU without VNNI). With
 ``--peak``, the host's register-only rates too (``benchmarks/int8_peak.c``, built with gcc): what
 the kernels can reach at most.
 
@@ -32,6 +33,7 @@ def main() -> None:
     target = resolve("llvm")
     lanes, device, rng = target.fp32_lanes, tvm.cpu(), np.random.default_rng(0)
     dot = int8.DOT_PRODUCTS[target.int8_instruction]
+    reduced = int8.dot_product(target.int8_instruction, reduce_range=True)
 
     def timer(function, operands, rows):
         library = tvm.compile(tvm.IRModule({"main": function}), target=target.tvm_target()).jit()
@@ -39,26 +41,31 @@ def main() -> None:
         evaluate = library.time_evaluator("main", device, number=max(1, 2000 // rows), repeat=1)
         return lambda: evaluate(*arrays).mean
 
-    print(f"{target.key}, {lanes} fp32 lanes, int8 on {dot.instruction}")
-    print("| rows x N x K | fp32 FMA GFLOP/s | int8 GOP/s | int8 / fp32 |")
-    print("| --- | --- | --- | --- |")
+    def int8_timer(dot, m, n, k):
+        width = int8.tile(n, lanes)[1] * lanes
+        levels = dot.weight_levels
+        return timer(int8.kernel(m, n, k, lanes, dot=dot), [
+            (rng.integers(-127, 128, (m, k)) + dot.offset).astype(dot.rows_dtype), np.ones(m, "float32"),
+            rng.integers(-levels, levels + 1, (n // width, k // dot.depth, width * dot.depth)).astype("int8"),
+            np.zeros(n if dot.offset else 1, "int32"), np.ones(n, "float32"),
+            np.zeros(n, "float32"), np.zeros(1, "float32"), np.zeros((m, n), "float32")], m)
+
+    print(f"{target.key}, {lanes} fp32 lanes, int8 on {dot.instruction}, with 7-bit weights on {reduced.instruction}")
+    print("| rows x N x K | fp32 FMA GFLOP/s | int8 GOP/s | int8 / fp32 | 7-bit weights GOP/s | 7-bit / int8 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for m in (int(r) for r in args.rows.split(",")):
         for n, k in SHAPES:
             width_f = fma.tile(n, lanes)[1] * lanes
-            width_q = int8.tile(n, lanes)[1] * lanes
             fp32 = timer(fma.kernel(m, n, k, lanes), [
                 rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n // width_f, k, width_f), dtype=np.float32),
                 np.zeros(n, "float32"), np.zeros(1, "float32"), np.zeros((m, n), "float32")], m)
-            quantized = timer(int8.kernel(m, n, k, lanes, dot=dot), [
-                (rng.integers(-127, 128, (m, k)) + dot.offset).astype(dot.rows_dtype), np.ones(m, "float32"),
-                rng.integers(-127, 128, (n // width_q, k // dot.depth, width_q * dot.depth)).astype("int8"),
-                np.zeros(n if dot.offset else 1, "int32"), np.ones(n, "float32"),
-                np.zeros(n, "float32"), np.zeros(1, "float32"), np.zeros((m, n), "float32")], m)
-            best = [float("inf")] * 2
+            runs = (fp32, int8_timer(dot, m, n, k), int8_timer(reduced, m, n, k))
+            best = [float("inf")] * len(runs)
             for _ in range(20):
-                best = [min(b, run()) for b, run in zip(best, (fp32, quantized))]
-            rates = [2 * m * n * k / seconds / 1e9 for seconds in best]
-            print(f"| {m} x {n} x {k} | {rates[0]:.0f} | {rates[1]:.0f} | {rates[1] / rates[0]:.2f} |")
+                best = [min(b, run()) for b, run in zip(best, runs)]
+            fp32_rate, int8_rate, reduced_rate = (2 * m * n * k / seconds / 1e9 for seconds in best)
+            print(f"| {m} x {n} x {k} | {fp32_rate:.0f} | {int8_rate:.0f} | {int8_rate / fp32_rate:.2f} | {reduced_rate:.0f} "
+                  f"| {reduced_rate / int8_rate:.2f} |")
     if args.peak:
         with tempfile.TemporaryDirectory() as folder:
             binary = Path(folder) / "peak"

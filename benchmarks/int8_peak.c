@@ -38,5 +38,10 @@ int main(void) {
          "vpaddw %%ymm8,%%ymm0,%%ymm0\n vpaddw %%ymm9,%%ymm1,%%ymm1\n vpaddw %%ymm10,%%ymm2,%%ymm2\n vpaddw %%ymm11,%%ymm3,%%ymm3\n"
          "vpmaddubsw %%ymm14,%%ymm15,%%ymm12\n vpmaddubsw %%ymm14,%%ymm15,%%ymm13\n vpmaddubsw %%ymm14,%%ymm15,%%ymm8\n vpmaddubsw %%ymm14,%%ymm15,%%ymm9\n"
          "vpaddw %%ymm12,%%ymm4,%%ymm4\n vpaddw %%ymm13,%%ymm5,%%ymm5\n vpaddw %%ymm8,%%ymm6,%%ymm6\n vpaddw %%ymm9,%%ymm7,%%ymm7\n", 8 * 32);
+    RATE("vpsignb + vpmaddubsw + vpmaddwd(1) + vpaddd (|s8| x s8)",
+         "vpsignb %%ymm15,%%ymm14,%%ymm8\n vpsignb %%ymm15,%%ymm14,%%ymm9\n vpsignb %%ymm15,%%ymm14,%%ymm10\n vpsignb %%ymm15,%%ymm14,%%ymm11\n"
+         "vpmaddubsw %%ymm8,%%ymm12,%%ymm8\n vpmaddubsw %%ymm9,%%ymm12,%%ymm9\n vpmaddubsw %%ymm10,%%ymm12,%%ymm10\n vpmaddubsw %%ymm11,%%ymm12,%%ymm11\n"
+         "vpmaddwd %%ymm8,%%ymm13,%%ymm8\n vpmaddwd %%ymm9,%%ymm13,%%ymm9\n vpmaddwd %%ymm10,%%ymm13,%%ymm10\n vpmaddwd %%ymm11,%%ymm13,%%ymm11\n"
+         "vpaddd %%ymm8,%%ymm0,%%ymm0\n vpaddd %%ymm9,%%ymm1,%%ymm1\n vpaddd %%ymm10,%%ymm2,%%ymm2\n vpaddd %%ymm11,%%ymm3,%%ymm3\n", 4 * 32);
     return 0;
 }

@@ -15,6 +15,7 @@ from tvmbert.kernels import int8
 from tvmbert.stages.bench.engines import check_tolerance, default_engines
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
+from tvmbert.stages.verify import REDUCED_RANGE_TOLERANCE
 
 from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta
 
@@ -210,6 +211,7 @@ def test_the_int8_peers_run_for_int8_and_tvm_is_compared_with_them():
     assert {"ort-int8", "openvino-int8"} <= set(default_engines("int8"))
     assert not {"ort-int8", "openvino-int8"} & set(default_engines("float32"))
     assert check_tolerance("ort-int8", "float32") == check_tolerance("tvm", "int8")
+    assert check_tolerance("tvm", "int8", reduce_range=True) == REDUCED_RANGE_TOLERANCE  # verify's, for 7-bit weights
     engines = {"tvm": {"median_ms": 5.0}, "onnxruntime": {"median_ms": 4.0}, "ort-int8": {"median_ms": 6.0},
                "openvino-int8": {"median_ms": 10.0}}
     assert _ratios(engines, "int8")["best_other"] == "ort-int8" and _ratios(engines, "int8")["ratio"] == pytest.approx(5 / 6, abs=1e-3)

@@ -21,9 +21,9 @@ The dot products run on one of two instructions (``DOT_PRODUCTS``, the target pi
   weights cost accuracy (README: int8).
 
 All are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
-44000). Where ``pmaddubsw``'s usual fix, its unsigned operand made ``|row|`` and the weights given
-the row's sign (``vpsignb``), keeps 8-bit weights exact, it costs as many instructions as ``vpmaddwd``
-and ran 0.95-0.98x its speed (``benchmarks/int8_peak.c``). The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are
+44000). ``pmaddubsw``'s other fix, its unsigned operand made ``|row|`` and the weights given the
+row's sign (``vpsignb``), keeps 8-bit weights exact but costs as many instructions as ``vpmaddwd``:
+the same register-only rate (``benchmarks/int8_peak.c``), 0.95-0.98x in the kernel. The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are
 bound by that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth``
 rows of it: ``Wq[N / width, K / depth, width x depth]``.
 

@@ -75,7 +75,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
         expected = reference(job, inputs)
     timed = []
     for engine in engines:
-        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype))
+        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype, job.config.reduce_range))
         if problem:
             report[engine.name] = {"skipped": problem}
             job.say(f"bench: {engine.name} not timed: {problem}")
