@@ -3,7 +3,8 @@ channel), the activations per row at run time (symmetric, as each call finds the
 summed exactly in int32, then dequantized as the tile is stored, with the bias and the activation
 or residual add. The pass ``int8-matmuls`` (``passes/int8_matmuls.py``) calls them.
 
-The dot products run on one of two instructions (``DOT_PRODUCTS``, the target picks):
+The dot products run on one of three instructions (``DOT_PRODUCTS``; ``dot_product`` picks by the
+target and the weights' bits):
 
 - ``vpdpbusd`` (AVX512-VNNI on 512 bits, AVX-VNNI on 256): four u8 x s8 products summed into each
   int32 lane, in place. Its row operand is unsigned: the rows are quantized to the same symmetric
@@ -23,9 +24,11 @@ The dot products run on one of two instructions (``DOT_PRODUCTS``, the target pi
 All are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
 44000). ``pmaddubsw``'s other fix, its unsigned operand made ``|row|`` and the weights given the
 row's sign (``vpsignb``), keeps 8-bit weights exact but costs as many instructions as ``vpmaddwd``:
-the same register-only rate (``benchmarks/int8_peak.c``), 0.95-0.98x in the kernel. The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are
-bound by that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth``
-rows of it: ``Wq[N / width, K / depth, width x depth]``.
+the same register-only rate (``benchmarks/int8_peak.c``), 0.95-0.98x in the kernel.
+
+The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are bound by
+that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth`` rows of
+it: ``Wq[N / width, K / depth, width x depth]``.
 
 Per tile of ``rows`` rows, ``rows x vectors`` int32 accumulators for the whole reduction; each k
 step one broadcast of the row's ``depth`` values (one int32) per row, and one weight load per

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tvmbert.kernels.int8 import LEVELS, REDUCED_LEVELS, DotProduct, dot_product, fits, kernel, quantize_rows_kernel, tile
 
 
-def quantized_weight(weight, width: int, dot: DotProduct, levels: int = LEVELS):
+def quantized_weight(weight, width: int, dot: DotProduct, levels: int):
     """Relax: W[K, N] -> (Wq[N / width, K / depth, width x depth] int8, sw[N], c0[N] int32) with
     ``sw = max|W[:, n]| / levels``, ``Wq = round(W / sw)`` (a zero column: scale 0, zeros) laid out as
     the kernel reads it, and the accumulators' start ``c0 = -offset x sum_k Wq[k, n]`` (None where
@@ -27,7 +27,7 @@ def quantized_weight(weight, width: int, dot: DotProduct, levels: int = LEVELS):
     return laid_out, scale, start
 
 
-def int8_matmuls(lanes: int, instruction: str, reduce_range: bool = False):
+def int8_matmuls(lanes: int, instruction: str, reduce_range: bool):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, N a
     multiple of the lanes, K of the lanes (the row quantization's vectors) and the product used by
     nothing else, becomes a row quantization of x and one call of the kernel, together with the
