@@ -210,6 +210,7 @@ def bench_lengths(job: Job, lengths: str, requests: int = 0, seq_lens: tuple[int
     return {
         "model": job.source.name,
         "dtype": job.config.dtype,
+        "reduce_range": job.config.reduce_range,
         "workload": {"lengths": lengths, "requests": len(work), "batch": batch, "mean_length": round(float(real.mean()), 1),
                      "p50_length": int(np.median(real)), "max_length": int(real.max()),
                      "padded_fraction": round(1 - float(real.sum()) / sum(r[0].size for r in work), 3)},
