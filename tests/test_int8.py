@@ -13,6 +13,7 @@ import pytest
 from tvmbert import JobConfig, load
 from tvmbert.kernels import int8
 from tvmbert.stages.bench.engines import check_tolerance, default_engines
+from tvmbert.stages.bench.inference import engine_dtypes
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
 from tvmbert.stages.verify import REDUCED_RANGE_TOLERANCE
@@ -211,7 +212,10 @@ def test_the_int8_peers_run_for_int8_and_tvm_is_compared_with_them():
     assert {"ort-int8", "openvino-int8"} <= set(default_engines("int8"))
     assert not {"ort-int8", "openvino-int8"} & set(default_engines("float32"))
     assert check_tolerance("ort-int8", "float32") == check_tolerance("tvm", "int8")
-    assert check_tolerance("tvm", "int8", reduce_range=True) == REDUCED_RANGE_TOLERANCE  # verify's, for 7-bit weights
+    for ours in ("tvm", "tvm-packed"):  # verify's bound, for 7-bit weights
+        assert check_tolerance(ours, "int8", reduce_range=True) == REDUCED_RANGE_TOLERANCE
+    assert "7-bit" in engine_dtypes("int8", ["tvm"], reduce_range=True)["tvm"]
+    assert "7-bit" not in engine_dtypes("int8", ["tvm"])["tvm"]
     engines = {"tvm": {"median_ms": 5.0}, "onnxruntime": {"median_ms": 4.0}, "ort-int8": {"median_ms": 6.0},
                "openvino-int8": {"median_ms": 10.0}}
     assert _ratios(engines, "int8")["best_other"] == "ort-int8" and _ratios(engines, "int8")["ratio"] == pytest.approx(5 / 6, abs=1e-3)

@@ -56,7 +56,12 @@ class Job:
     def shape_key(self) -> str:
         batch, seq_len = self.shape
         tokens = f"-t{self.config.tokens}" if self.config.tokens is not None else ""
-        return (f"b{batch}-s{seq_len}{tokens}-{self.config.dtype}" + ("-reducerange" if self.config.reduce_range else "")
+        return f"b{batch}-s{seq_len}{tokens}-{self.numerics_key}"
+
+    @property
+    def numerics_key(self) -> str:
+        """What decides the numbers a build computes, as folder names carry it."""
+        return (self.config.dtype + ("-reducerange" if self.config.reduce_range else "")
                 + ("-fastmath" if self.config.fast_math else ""))
 
     @property

@@ -39,7 +39,8 @@ def optimize(job: Job, force: bool = False) -> Artifact:
     converted = job.upstream("convert", convert)
     names = pipeline(job)
     stage = CachedStage(job, "optimize", convert=converted.fingerprint, passes=names,
-                        **({"target": job.target.key} if per_target(names) else {}))
+                        **({"target": job.target.key} if per_target(names) else {}),
+                        **({"reduce_range": True} if job.config.reduce_range else {}))
     if hit := stage.reused(force):
         return hit
     job.say(f"optimize: {' -> '.join(names) or 'no passes'}")

@@ -21,7 +21,7 @@ from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
 from tvmbert.deploy.package import load
 from tvmbert.frontend import models
-from tvmbert.stages.bench.engines import CHECK_TOLERANCE, onnx_session
+from tvmbert.stages.bench.engines import CHECK_TOLERANCE, check_tolerance, onnx_session
 from tvmbert.stages.bench.timing import environment, set_threads
 from tvmbert.stages.export import DEFAULT_SEQ_LENS, export
 from tvmbert.stages.job import Job
@@ -97,7 +97,7 @@ def _package(job: Job, longest: int, batch: int, seq_lens: tuple[int, ...]):
     chosen.append(next((s for s in sorted(seq_lens or DEFAULT_SEQ_LENS) if s >= longest), longest))
     batches = (batch,)  # every request has `batch` rows (the last one may have fewer)
     folder = (Path(job.config.workdir) / job.source.key /
-              f"package-{job.config.dtype}-{job.target.key}-b{'_'.join(map(str, batches))}-s{'_'.join(map(str, chosen))}")
+              f"package-{job.numerics_key}-{job.target.key}-b{'_'.join(map(str, batches))}-s{'_'.join(map(str, chosen))}")
     export(job, folder, batches, tuple(chosen))
     return load(folder, warn=job.say)
 
@@ -171,10 +171,12 @@ def bench_lengths(job: Job, lengths: str, requests: int = 0, seq_lens: tuple[int
     runs, setup, skipped = _engines(job, wanted, work, batch, seq_lens, threads)
     mask_index = job.source.inputs.index("attention_mask")
     per_token = [name in TASKS[job.source.task].per_token for name in models.load(job.source).output_names]
+    tolerances = {name: CHECK_TOLERANCE[job.config.dtype] for name in runs}
+    tolerances["tvm"] = check_tolerance("tvm", job.config.dtype, job.config.reduce_range)  # 7-bit weights: verify's bound
     for request in work[:CHECKED_REQUESTS]:
         expected = runs["torch-eager"](request)
         for name in list(runs):
-            problem = _wrong(runs[name](request), expected, request[mask_index], per_token, CHECK_TOLERANCE[job.config.dtype])
+            problem = _wrong(runs[name](request), expected, request[mask_index], per_token, tolerances[name])
             if problem:
                 if name == "tvm":
                     raise InputError(f"bench: the tvm package gives {problem}; run tvmbert verify")
