@@ -182,8 +182,9 @@ def test_reduce_range_builds_int8_with_7_bit_weights_and_verifies(tvmbert, workd
         weights = [params[name] for name in params.files if params[name].dtype == np.int8]
     assert len(weights) == 2 * 4 + 1  # two layers' Q/K/V, output, FFN in and out, and the pooler
     assert max(int(np.abs(w).max()) for w in weights) == int8.REDUCED_LEVELS
-    refused = tvmbert("build", "bert-tiny", "--reduce-range")  # float32: nothing to reduce
-    assert refused.code == 2 and "reduce_range" in refused.stderr and "Traceback" not in refused.stderr
+    for pointless in (["--reduce-range"], ["--dtype", "int8", "--reduce-range", "--disable", "int8-matmuls"]):
+        refused = tvmbert("build", "bert-tiny", *pointless)  # no int8 weights to reduce
+        assert refused.code == 2 and "reduce_range" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert, workdir):

@@ -115,6 +115,8 @@ class JobConfig:
         _require(self.text is None or bool(self.text.strip()), where, "text", "a text that is not empty")
         _require(self.dtype in DTYPE_NAMES, where, "dtype", f"one of {', '.join(DTYPE_NAMES)}")
         _require(not self.reduce_range or self.dtype == "int8", where, "reduce_range", "off unless dtype is int8 (it sets the int8 weights' bits)")
+        _require(not self.reduce_range or "int8-matmuls" not in self.disable, where, "reduce_range",
+                 "off where disable lists int8-matmuls (the pass whose weights it sets)")
         _require(0 <= self.seed < 2**32, where, "seed", "a number in [0, 2**32)")
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")
