@@ -18,8 +18,8 @@ target and the weights' bits):
 - ``vpmaddubsw`` then ``vpmaddwd`` by ones, with 7-bit weights (``--reduce-range``, as ONNX
   Runtime's ``reduce_range``): the rows and the weights' layout as for ``vpdpbusd``, whose four
   products a lane it computes in two instructions; an int16 sum of two products stays within
-  255 x 63 x 2 = 32130, so it never saturates. 1.2-1.4x ``vpmaddwd``'s rate on Zen 3; the coarser
-  weights cost accuracy (README: int8).
+  255 x 63 x 2 = 32130, so it never saturates. 1.24-1.55x the ``vpmaddwd`` kernel on Zen 3
+  (``benchmarks/int8_kernel.py``); the coarser weights cost accuracy (README: int8).
 
 All are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
 44000). ``pmaddubsw``'s other fix, its unsigned operand made ``|row|`` and the weights given the
