@@ -10,7 +10,7 @@ import pytest
 
 from tvmbert.cli import main
 
-from helpers import HOST_AMX, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
+from helpers import HOST_AMX, HOST_AMX_INT8, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
 
 
 @dataclass
@@ -67,6 +67,7 @@ def tuned_schedules(tmp_path_factory, workdir):
 def pytest_configure(config):
     config.addinivalue_line("markers", "simd: runs our fp32 kernels on this CPU: needs AVX-512, or AVX2 with FMA")
     config.addinivalue_line("markers", "amx: runs bf16 kernels on AMX: needs AMX-BF16, granted by the kernel")
+    config.addinivalue_line("markers", "amx_int8: runs int8 kernels on AMX: needs AMX-INT8, granted by the kernel")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,6 +76,7 @@ def pytest_collection_modifyitems(config, items):
     lacking = {
         "simd": None if HOST_LANES else "this CPU has neither AVX-512 nor AVX2 with FMA",
         "amx": None if HOST_AMX else "this CPU has no AMX-BF16 (or the kernel does not grant it): --dtype bfloat16 is refused here",
+        "amx_int8": None if HOST_AMX_INT8 else "this CPU has no AMX-INT8 (or the kernel does not grant it): int8 runs on vectors here",
     }
     for item in items:
         for marker, reason in lacking.items():

@@ -1,6 +1,6 @@
 """What several test modules share: the host's capabilities, the small tuning budget, and checks
 of a command's outcome, a kernel's code and a build's metadata. Test modules import this, never
-each other; conftest.py turns the hardware markers (simd, amx) into skips with the reason."""
+each other; conftest.py turns the hardware markers (simd, amx, amx_int8) into skips with the reason."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tvmbert.core import targets
-from tvmbert.kernels import fma
+from tvmbert.kernels import fma, int8
 from tvmbert.tuning import record_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,10 +20,10 @@ HOST = HOST_TARGET.tvm_target()
 HOST_LANES = HOST_TARGET.fp32_lanes  # 16 with AVX-512, 8 with AVX2 and FMA, 0 without: our fp32 kernels' vectors
 
 
-def _host_has_amx() -> bool:
+def _host_has_amx(has_feature: bool) -> bool:
     from tvmbert.deploy.loader import request_amx_permission
 
-    if not HOST_TARGET.has_amx_bf16:
+    if not has_feature:
         return False
     try:
         request_amx_permission()
@@ -45,7 +45,10 @@ def _first_cpu(candidates, runnable: bool) -> str | None:
 OTHER_CPU = _first_cpu(("skylake-avx512", "haswell", "x86-64-v3"), runnable=True)
 # A CPU with an instruction set this host lacks: code for it is only ever compiled here, never run.
 UNRUNNABLE_CPU = _first_cpu(("sapphirerapids", "znver5", "skylake-avx512"), runnable=False)
-HOST_AMX = _host_has_amx()  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
+HOST_AMX = _host_has_amx(HOST_TARGET.has_amx_bf16)  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
+HOST_AMX_INT8 = _host_has_amx(HOST_TARGET.has_amx_int8)  # --dtype int8's weight matmuls run on AMX here
+# The instruction this CPU's int8 weight matmuls run on (kernels/int8.py, kernels/amx.py).
+HOST_INT8_INSTRUCTION = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else HOST_TARGET.int8_instruction
 # bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.
 QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0
 

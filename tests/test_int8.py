@@ -1,5 +1,5 @@
 """--dtype int8: the kernels against a NumPy model of the same quantization (exact in int32), the
-AVX-512 variant compiled, bert-tiny through every stage against fp32 PyTorch, the int8 peers."""
+AVX-512 and AMX variants compiled, bert-tiny through every stage against fp32 PyTorch, the int8 peers."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from tvmbert import JobConfig, load
-from tvmbert.kernels import int8
+from tvmbert.kernels import amx, int8
 from tvmbert.stages.bench.engines import check_tolerance, default_engines
 from tvmbert.stages.bench.inference import engine_dtypes
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
 from tvmbert.stages.verify import REDUCED_RANGE_TOLERANCE
 
-from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta
+from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta
 
 
 def emulated_quads(acc, row_word, weights, lanes):
@@ -53,21 +53,13 @@ def weight_layout(wq: np.ndarray, width: int, depth: int) -> np.ndarray:
     return np.ascontiguousarray(steps.reshape(n // width, k // depth, width * depth))
 
 
-@pytest.mark.simd
-@pytest.mark.parametrize("dot", DOTS)
-@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-@pytest.mark.parametrize("lead, n, k", [
-    ((7,), 48, 64),  # AVX2: 3 x 3 tiles, two of them and one of a row; 2 panels
-    ((2, 9), 96, 40),  # AVX-512: 6 x 4 tiles (3 of them); AVX2: 4 panels; K in blocks of 4 pairs
-    ((300,), 16, 32),  # AVX2: one-vector panels of 100 row tiles: no prefetch
-])
-@pytest.mark.parametrize("activation, residual", [(None, False), ("relax.nn.gelu", False), (None, True)])
-def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activation, residual):
+def check_against_numpy(library, dot, lead, n, k, activation, residual, width, rows=None):
+    """Runs ``library``'s ``quantize`` (into ``rows`` rows where given) and ``matmul`` (weights in
+    panels ``width`` wide) on random data and checks them against the NumPy model: the quantized
+    rows and scales equal, the int32 sums exact (the output within float32's rounding of the
+    dequantization), and the result near fp32's."""
     import tvm
 
-    dot = DOTS[dot]
-    if int8.tile(n, lanes) is None:
-        pytest.skip("N is not a multiple of the lanes")
     m = int(np.prod(lead))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((*lead, k), dtype=np.float32) * 4
@@ -77,21 +69,21 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
     sw = (np.abs(w).max(0) / dot.weight_levels).astype(np.float32)
     wq = np.clip(np.rint(w / sw), -dot.weight_levels, dot.weight_levels).astype(np.int8)  # every column reaches them
-    rows, vectors = int8.tile(n, lanes)
 
-    module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead, dot).with_attr("global_symbol", "quantize"),
-                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot).with_attr("global_symbol", "matmul")})
-    library = tvm.compile(module, target=HOST)
-    xq, sx = tvm.runtime.tensor(np.zeros((*lead, k), dot.rows_dtype)), tvm.runtime.tensor(np.zeros(m, "float32"))
+    xq = tvm.runtime.tensor(np.full((rows, k) if rows else (*lead, k), 7, dot.rows_dtype))
+    sx = tvm.runtime.tensor(np.zeros(m, "float32"))
     library["quantize"](tvm.runtime.tensor(x), xq, sx)
     want_xq, want_sx = quantized_rows(x)
-    np.testing.assert_array_equal(xq.numpy(), (want_xq + dot.offset).astype(dot.rows_dtype))
+    want_stored = (want_xq + dot.offset).astype(dot.rows_dtype)
+    if rows:  # the padding rows zeros, as the offset stores them
+        want_stored = np.concatenate([want_stored.reshape(m, k), np.full((rows - m, k), dot.offset, dot.rows_dtype)])
+    np.testing.assert_array_equal(xq.numpy(), want_stored)
     np.testing.assert_array_equal(sx.numpy(), want_sx.reshape(-1))
     assert np.abs(want_xq).max() == int8.LEVELS
 
     y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
     start = (-dot.offset * wq.astype(np.int32).sum(0)).astype(np.int32) if dot.offset else np.zeros(1, np.int32)
-    library["matmul"](xq, sx, *(tvm.runtime.tensor(a) for a in (weight_layout(wq, vectors * lanes, dot.depth), start, sw, b, r)), y)
+    library["matmul"](xq, sx, *(tvm.runtime.tensor(a) for a in (weight_layout(wq, width, dot.depth), start, sw, b, r)), y)
     sums = want_xq.reshape(m, k).astype(np.int64) @ wq.astype(np.int64)  # what the int32 lanes must hold, exactly
     expected = (sums.astype(np.float32) * (want_sx.reshape(m, 1) * sw) + b).reshape(*lead, n).astype(np.float64)
     if activation:
@@ -103,6 +95,51 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
     reference = (x.astype(np.float64) @ w + b)  # and near fp32's, as int8 goes
     if not activation and not residual:
         assert np.abs(y.numpy() - reference).max() < 0.05 * np.abs(reference).max()
+
+
+EPILOGUES = [(None, False), ("relax.nn.gelu", False), (None, True)]
+
+
+@pytest.mark.simd
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+@pytest.mark.parametrize("lead, n, k", [
+    ((7,), 48, 64),  # AVX2: 3 x 3 tiles, two of them and one of a row; 2 panels
+    ((2, 9), 96, 40),  # AVX-512: 6 x 4 tiles (3 of them); AVX2: 4 panels; K in blocks of 4 pairs
+    ((300,), 16, 32),  # AVX2: one-vector panels of 100 row tiles: no prefetch
+])
+@pytest.mark.parametrize("activation, residual", EPILOGUES)
+def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activation, residual):
+    import tvm
+
+    dot = DOTS[dot]
+    if int8.tile(n, lanes) is None:
+        pytest.skip("N is not a multiple of the lanes")
+    m = int(np.prod(lead))
+    module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead, dot).with_attr("global_symbol", "quantize"),
+                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot).with_attr("global_symbol", "matmul")})
+    rows, vectors = int8.tile(n, lanes)
+    check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, vectors * lanes)
+
+
+@pytest.mark.amx_int8
+@pytest.mark.parametrize("lead, n, k", [
+    ((14,), 64, 128),  # a half block (16 rows), 2 of them padding: bert's 1 x 14
+    ((2, 20), 96, 192),  # a whole block and a half one, 8 rows of padding; 3 panels; 3 k steps
+    ((64,), 32, 64),  # whole blocks: no padding
+    ((300,), 64, 256),  # 9 whole blocks in 3 chunks of "L2" (row_chunk_bytes below), and a half one
+])
+@pytest.mark.parametrize("activation, residual", EPILOGUES)
+def test_amx_int8_kernel_sums_exactly_what_numpy_sums(lead, n, k, activation, residual):
+    import tvm
+
+    m = int(np.prod(lead))
+    rows = amx.padded_rows(m)
+    dot = int8.DOT_PRODUCTS["vpdpbusd"]  # AMX's rows and weights as VNNI's
+    module = tvm.IRModule({
+        "quantize": int8.quantize_rows_kernel(m, k, HOST_TARGET.int8_lanes, lead, dot, rows).with_attr("global_symbol", "quantize"),
+        "matmul": amx.int8_kernel(m, n, k, lead, activation, residual, row_chunk_bytes=5 * 32 * k).with_attr("global_symbol", "matmul")})
+    check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, amx.TILE, rows)
 
 
 @pytest.mark.parametrize("mcpu, reduce_range, instruction, register", [
@@ -144,7 +181,7 @@ def test_bert_tiny_in_int8_builds_verifies_and_keeps_the_rest_fp32(tvmbert, work
     # Q/K/V, attention output, FFN in (with its GELU) and out, and the pooler (2 rows): every weight matmul
     assert len(meta["int8_kernels"]) == 5 and meta["int8_quantize_kernels"] and "fma_kernels" not in meta
     assert meta["layer_norm_kernels"]  # fp32, as in a float32 build
-    assert meta["int8_instructions"][HOST_TARGET.int8_instruction] > 0
+    assert meta["int8_instructions"][HOST_INT8_INSTRUCTION] > 0
 
 
 @pytest.mark.simd
@@ -154,6 +191,7 @@ def test_bert_tiny_in_int8_the_vnni_way_verifies_with_the_instruction_emulated(t
     from tvmbert.core.targets import TargetSpec
 
     monkeypatch.setattr(TargetSpec, "int8_instruction", property(lambda self: "vpdpbusd"))
+    monkeypatch.setattr(TargetSpec, "has_amx_int8", property(lambda self: False))  # the vector kernel, also on AMX hosts
     monkeypatch.setitem(int8.DOT_PRODUCTS, "vpdpbusd", DOTS["vpdpbusd-emulated"])
     outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--batch", "2", "--seq-len", "10", "--json",
                       "--workdir", str(tmp_path))
@@ -174,7 +212,7 @@ def test_reduce_range_builds_int8_with_7_bit_weights_and_verifies(tvmbert, workd
     assert outcome.json["passed"] and outcome.json["reduce_range"] is True
     assert 1e-4 < outcome.json["max_abs_diff"] < 0.05
     assert {m["name"]: m["value"] for m in outcome.json["accuracy"]}["cosine_min"] > 0.999
-    instruction = int8.dot_product(HOST_TARGET.int8_instruction, True).instruction
+    instruction = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else int8.dot_product(HOST_TARGET.int8_instruction, True).instruction
     key = "b2-s10-int8-reducerange"
     meta = build_meta(workdir, key)
     assert len(meta["int8_kernels"]) == 5 and meta["int8_instructions"][instruction] > 0
@@ -194,6 +232,46 @@ def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert,
     meta = build_meta(workdir, "b1-s14-int8", target="llvm -mcpu=znver4")
     assert len(meta["int8_kernels"]) == 5
     assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddwd"] == 0
+
+
+def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert, workdir):
+    """Compiled only (the kernel's numerics: test_amx_int8_kernel_sums_exactly_what_numpy_sums, on
+    AMX hosts). Every weight matmul fits AMX's tiles, its rows quantized into whole row tiles,
+    and build lists them as AMX kernels: the loader asks for the tiles before it loads them."""
+    outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--target", "llvm -mcpu=sapphirerapids", "--json")
+    assert outcome.code == 0, outcome.stderr
+    meta = build_meta(workdir, "b1-s14-int8", target="llvm -mcpu=sapphirerapids")
+    assert len(meta["int8_kernels"]) == 5 and meta["amx_kernels"] == meta["int8_kernels"]
+    instructions = meta["int8_instructions"]
+    assert instructions["tdpbusd"] >= 5 * 4 and instructions["vpdpbusd"] == 0 and meta["amx_instructions"]["tdpbusd"] > 0
+    assert all(name.endswith("_to_16_rows") for name in meta["int8_quantize_kernels"])  # 14 and 1 rows: a half block
+
+
+def test_a_matmul_amx_tiles_do_not_fit_stays_on_vpdpbusd():
+    """N = 48 is no whole number of AMX's 32-column panels; N = 64 with K = 64 is."""
+    import tvm
+    from tvm import relax
+
+    from tvmbert.core.targets import resolve
+    from tvmbert.passes.int8_matmuls import int8_matmuls
+
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((14, 64), "float32"))
+    weights = [relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in
+               (("w1", (64, 48)), ("b1", (48,)), ("w2", (64, 64)), ("b2", (64,)))]
+    with builder.function("main", [x, *weights], attrs={"num_input": 1}):
+        with builder.dataflow():
+            narrow = builder.emit(relax.op.add(relax.op.matmul(x, weights[0]), weights[1]))
+            wide = builder.emit(relax.op.add(relax.op.matmul(x, weights[2]), weights[3]))
+            output = builder.emit_output(relax.Tuple([narrow, wide]))
+        builder.emit_func_output(output)
+    spec = resolve("llvm -mcpu=sapphirerapids")
+    module = int8_matmuls(spec.int8_lanes, spec.int8_instruction, False, spec.has_amx_int8)(builder.get())
+    kernels = {gv.name_hint: f for gv, f in module.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    on_amx = {name for name, f in kernels.items() if amx.KERNEL_ATTR in f.attrs}
+    assert {name for name, f in kernels.items() if int8.KERNEL_ATTR in f.attrs} == {"int8_matmul_14x48x64", "int8_matmul_14x64x64"}
+    assert on_amx == {"int8_matmul_14x64x64"}
+    assert {"int8_quantize_rows_14x64", "int8_quantize_rows_14x64_to_16_rows"} <= set(kernels)
 
 
 def test_the_int8_kernels_width_follows_the_pair_product_the_target_has():

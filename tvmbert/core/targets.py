@@ -16,7 +16,8 @@ from tvmbert.core.errors import InputError
 
 DEFAULT_CUDA_ARCH = "sm_90"
 DEFAULT_ROCM_MCPU = "gfx906"
-AMX_BF16 = "amx-bf16"  # LLVM's name of the feature the AMX kernel needs
+AMX_BF16 = "amx-bf16"  # LLVM's name of the feature the bf16 AMX kernel needs
+AMX_INT8 = "amx-int8"  # and the int8 one's
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,12 @@ class TargetSpec:
     @cached_property
     def has_amx_bf16(self) -> bool:
         return self.has_features(AMX_BF16)
+
+    @cached_property
+    def has_amx_int8(self) -> bool:
+        """Whether int8 weight matmuls run on AMX tiles (``kernels/amx.int8_kernel``); the rest of
+        an int8 build, and the matmuls AMX's tiles do not fit, on ``int8_instruction``."""
+        return self.int8_lanes == 16 and self.has_features(AMX_INT8)
 
     def no_amx_message(self) -> str:
         return (f"--dtype bfloat16 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later), and target '{self.key}' "

@@ -46,7 +46,7 @@ def load_library(path: Path, target_config: dict, amx: bool = False, error: type
         try:
             request_amx_permission()
         except OSError as exc:
-            raise error(f"{path}: its kernels run on AMX-BF16: {exc}") from None
+            raise error(f"{path}: its kernels run on AMX: {exc}") from None
     folder = Path(tempfile.mkdtemp(prefix="tvmbert-lib-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     private = folder / path.name
@@ -67,4 +67,4 @@ def request_amx_permission() -> None:
     if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, "this CPU or kernel does not grant AMX (arch_prctl ARCH_REQ_XCOMP_PERM failed): "
-                             "a library built with AMX kernels (--dtype bfloat16) cannot run here")
+                             "a library built with AMX kernels (--dtype bfloat16, or int8 for a CPU with AMX-INT8) cannot run here")

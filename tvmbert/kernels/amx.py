@@ -1,31 +1,70 @@
-"""bf16 matmuls on Intel AMX (AMX-BF16): the kernel. The pass ``amx-bf16``
-(``passes/amx_bf16.py``) calls it; the loader (``deploy/loader.py``) asks for the process
-permission its instructions need.
+"""Matmuls on Intel AMX's tiles: bf16 (AMX-BF16, ``tdpbf16ps``) and int8 (AMX-INT8,
+``tdpbusd``). The passes ``amx-bf16`` (``passes/amx_bf16.py``) and ``int8-matmuls``
+(``passes/int8_matmuls.py``) call them; the loader (``deploy/loader.py``) asks for the process
+permission their instructions need (build lists every kernel here as ``amx_kernels``).
 
-MetaSchedule's x86 tensor intrinsics cover int8 only, and bf16 kernels scheduled by it convert
-every bf16 value to fp32 in the inner loop (slower than fp32). AVX512-BF16's ``vdpbf16ps`` through
-a tensor intrinsic measured slower than fp32 too on Sapphire Rapids (~104 vs ~160 GFLOP/s per
-core). AMX's ``tdpbf16ps`` multiplies 16 x 32 by 32 x 16 bf16 tiles into 16 x 16 fp32
-accumulators: ~1 TFLOP/s per core. TVM 0.27 has no AMX support, so the kernel is written directly
-in TIR with LLVM's AMX intrinsics, and marked scheduled: tuning, task extraction and the default
-schedules leave it alone.
+MetaSchedule's x86 tensor intrinsics cover VNNI's int8 only, and bf16 kernels scheduled by it
+convert every bf16 value to fp32 in the inner loop (slower than fp32). AVX512-BF16's ``vdpbf16ps``
+through a tensor intrinsic measured slower than fp32 too on Sapphire Rapids (~104 vs ~160 GFLOP/s
+per core). AMX's ``tdpbf16ps`` multiplies 16 x 32 by 32 x 16 bf16 tiles into 16 x 16 fp32
+accumulators: ~1 TFLOP/s per core; ``tdpbusd`` 16 x 64 u8 by 64 x 16 s8 into 16 x 16 int32, twice
+that. TVM 0.27 has no AMX support, so the kernels are written directly in TIR with LLVM's AMX
+intrinsics, and marked scheduled: tuning, task extraction and the default schedules leave them alone.
 
-``Y[M, N] (fp32) = X[M, K] (bf16) @ W[K, N] (bf16)``, fp32 accumulation, with M, N, K multiples of
+bf16: ``Y[M, N] (fp32) = X[M, K] (bf16) @ W[K, N] (bf16)``, fp32 accumulation, with M, N, K multiples of
 32 and W packed once, at build time, as ``Wp[N/16, K/2, 16, 2]`` (AMX's VNNI layout: pairs of
 consecutive k for each of 16 columns). The rewrite pads M (batch x tokens) to a multiple of 32 and
 slices the result; a matmul whose N or K is not a multiple of 32 (a classifier with 2 labels)
 keeps the bf16 loop nest.
+
+int8: ``kernels/int8.py``'s quantization and layout (u8 rows with 128 added, quads of weights,
+the columns' starts), the rows padded to 32 by the quantization kernel itself: see ``int8_kernel``.
 """
 
 from __future__ import annotations
 
 from tvmbert.kernels.fma import assembly_of, whole
+from tvmbert.kernels.int8 import KERNEL_ATTR as INT8_KERNEL_ATTR
 from tvmbert.kernels.scalar_math import gelu_float32
 
-KERNEL_ATTR = "tvmbert.amx_bf16"  # PrimFunc attribute marking the kernel (build counts them)
-TILE = 32  # M, N and K granularity of the kernel (2 x 2 tiles of 16 x 16 fp32, K in steps of 32 bf16)
-INSTRUCTION = "tdpbf16ps"  # what the kernel's assembly must contain
+KERNEL_ATTR = "tvmbert.amx"  # PrimFunc attribute marking a kernel on AMX tiles (build counts them; the loader asks for them)
+TILE = 32  # M, N and K granularity of the bf16 kernel (2 x 2 tiles of 16 x 16 fp32, K in steps of 32 bf16); M and N of the int8 one
+INT8_K_STEP = 64  # the int8 kernel's K granularity: a tile row of 64 bytes
+HALF_BLOCK = 16  # the int8 kernel's M granularity: a row tile (a 32-row block's half)
+INSTRUCTIONS = ("tdpbf16ps", "tdpbusd")  # what the kernels' assembly holds, bf16's and int8's
 ACTIVATIONS = {"relax.nn.gelu": gelu_float32}  # applied as a block is stored (the FFN's GELU)
+
+
+def _amx(name: str, *args):
+    """TIR: a call of LLVM's AMX intrinsic ``llvm.x86.<name>`` (tile numbers as int8 immediates)."""
+    from tvm.script import tirx as T
+
+    return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)
+
+
+def _tile_configuration():
+    """A TIR macro loading the configuration both kernels run with: palette 1, eight tiles of 16
+    rows x 64 bytes (tmm0-3 the accumulators, tmm4-5 the rows, tmm6-7 the weights)."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def configure_tiles():
+        cfg = T.alloc_buffer((64,), "uint8", scope="local")
+        for byte in range(64):
+            cfg[byte] = T.uint8(0)
+        cfg[0] = T.uint8(1)
+        for t in range(8):
+            cfg[16 + 2 * t] = T.uint8(64)
+            cfg[48 + t] = T.uint8(16)
+        T.evaluate(_amx("ldtilecfg", T.address_of(cfg[0])))
+
+    return configure_tiles
+
+
+def _row_chunk(row_blocks: int, block_bytes: int, chunk_bytes: int) -> int:
+    """How many row blocks of ``block_bytes`` (their X) a chunk holds: the most that divide the
+    blocks and fit ``chunk_bytes``, at least one."""
+    return max((d for d in range(1, row_blocks + 1) if row_blocks % d == 0 and d * block_bytes <= chunk_bytes), default=1)
 
 
 def fits(m: int, n: int, k: int) -> bool:
@@ -54,12 +93,9 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
     lead = tuple(lead) if lead else (m,)
     # Rows in chunks whose X (bf16) fits a core's L2 (SPR: 2 MiB): all column blocks of a chunk,
     # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
-    chunk = max((d for d in range(1, row_blocks + 1) if row_blocks % d == 0 and d * TILE * k * 2 <= row_chunk_bytes),
-                default=1)
+    chunk = _row_chunk(row_blocks, TILE * k * 2, row_chunk_bytes)
 
-    def intrin(name, *args):
-        return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)
-
+    configure_tiles = _tile_configuration()
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
 
     @T.prim_func(s_tir=True)
@@ -77,47 +113,136 @@ def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activati
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
                 for mc in range(row_blocks // chunk):
                     for nb in T.parallel(col_blocks):
-                        # Tile configuration: palette 1, 8 tiles of 16 rows x 64 bytes.
-                        cfg = T.alloc_buffer((64,), "uint8", scope="local")
-                        for byte in range(64):
-                            cfg[byte] = T.uint8(0)
-                        cfg[0] = T.uint8(1)
-                        for t in range(8):
-                            cfg[16 + 2 * t] = T.uint8(64)
-                            cfg[48 + t] = T.uint8(16)
-                        T.evaluate(intrin("ldtilecfg", T.address_of(cfg[0])))
+                        configure_tiles()
                         block = T.alloc_buffer((32, 32), "float32", scope="local")  # the 2 x 2 tiles, stored
                         for mi in range(chunk):
                             row = (mc * chunk + mi) * 32
-                            T.evaluate(intrin("tilezero", T.int8(0)))
-                            T.evaluate(intrin("tilezero", T.int8(1)))
-                            T.evaluate(intrin("tilezero", T.int8(2)))
-                            T.evaluate(intrin("tilezero", T.int8(3)))
+                            T.evaluate(_amx("tilezero", T.int8(0)))
+                            T.evaluate(_amx("tilezero", T.int8(1)))
+                            T.evaluate(_amx("tilezero", T.int8(2)))
+                            T.evaluate(_amx("tilezero", T.int8(3)))
                             for kb in range(k_blocks):
-                                T.evaluate(intrin("tileloadd64", T.int8(4), T.address_of(xu[row, kb * 32]), T.int64(lda)))
-                                T.evaluate(intrin("tileloadd64", T.int8(5), T.address_of(xu[row + 16, kb * 32]), T.int64(lda)))
-                                T.evaluate(intrin("tileloadd64", T.int8(6), T.address_of(wu[nb * 2, kb * 16, 0]), T.int64(64)))
-                                T.evaluate(intrin("tileloadd64", T.int8(7), T.address_of(wu[nb * 2 + 1, kb * 16, 0]), T.int64(64)))
-                                T.evaluate(intrin("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
-                                T.evaluate(intrin("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
-                                T.evaluate(intrin("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
-                                T.evaluate(intrin("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
-                            T.evaluate(intrin("tilestored64", T.int8(0), T.address_of(block[0, 0]), T.int64(128)))
-                            T.evaluate(intrin("tilestored64", T.int8(1), T.address_of(block[0, 16]), T.int64(128)))
-                            T.evaluate(intrin("tilestored64", T.int8(2), T.address_of(block[16, 0]), T.int64(128)))
-                            T.evaluate(intrin("tilestored64", T.int8(3), T.address_of(block[16, 16]), T.int64(128)))
+                                T.evaluate(_amx("tileloadd64", T.int8(4), T.address_of(xu[row, kb * 32]), T.int64(lda)))
+                                T.evaluate(_amx("tileloadd64", T.int8(5), T.address_of(xu[row + 16, kb * 32]), T.int64(lda)))
+                                T.evaluate(_amx("tileloadd64", T.int8(6), T.address_of(wu[nb * 2, kb * 16, 0]), T.int64(64)))
+                                T.evaluate(_amx("tileloadd64", T.int8(7), T.address_of(wu[nb * 2 + 1, kb * 16, 0]), T.int64(64)))
+                                T.evaluate(_amx("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
+                                T.evaluate(_amx("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
+                                T.evaluate(_amx("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
+                                T.evaluate(_amx("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
+                            T.evaluate(_amx("tilestored64", T.int8(0), T.address_of(block[0, 0]), T.int64(128)))
+                            T.evaluate(_amx("tilestored64", T.int8(1), T.address_of(block[0, 16]), T.int64(128)))
+                            T.evaluate(_amx("tilestored64", T.int8(2), T.address_of(block[16, 0]), T.int64(128)))
+                            T.evaluate(_amx("tilestored64", T.int8(3), T.address_of(block[16, 16]), T.int64(128)))
                             for i in range(32):
                                 for j in T.vectorized(32):
                                     if residual:
                                         yf[row + i, nb * 32 + j] = T.Cast(out_dtype, block[i, j] + b[nb * 32 + j] + rf[row + i, nb * 32 + j])
                                     else:
                                         yf[row + i, nb * 32 + j] = T.Cast(out_dtype, epilogue(block[i, j] + b[nb * 32 + j]))
-                        T.evaluate(intrin("tilerelease"))
+                        T.evaluate(_amx("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
     return amx_matmul
 
 
+def int8_fits(n: int, k: int) -> bool:
+    """Whether the int8 kernel takes an N x K weight (the rows are padded, N and K are not)."""
+    return n > 0 and k > 0 and n % TILE == 0 and k % INT8_K_STEP == 0
+
+
+def padded_rows(m: int) -> int:
+    """The rows the int8 kernel reads for ``m``: whole 32-row blocks, or a 16-row half block last
+    where that holds the rest (bert's 1 x 14 runs half the tile work of a whole block)."""
+    return -(-m // HALF_BLOCK) * HALF_BLOCK
+
+
+def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
+                residual: bool = False, row_chunk_bytes: int = 1 << 20):
+    """The AMX-INT8 PrimFunc for ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[row, k] @ Wq[k, n]) + b[n])
+    (+ r[*lead, n])``, the operands as ``kernels/int8.kernel`` takes them for ``vpdpbusd`` (the
+    same numerics, exact in int32), except xq: ``padded_rows(m)`` rows of u8 (128 added; the rows
+    past m are never stored), as ``int8.quantize_rows_kernel(..., rows=padded_rows(m))`` writes
+    them, and Wq's panels 32 columns wide (``Wq[N / 32, K / 4, 32 x 4]``): each half of a panel,
+    16 columns of ``K / 4`` rows of 64 bytes at a stride of 128, is one weight tile as ``tdpbusd``
+    reads it.
+
+    Parallel over panels; each runs over the row blocks of a chunk (their rows fit a core's L2)
+    with a 32 x 32 int32 block in four accumulator tiles while row tiles (tmm4-5) and weight
+    tiles (tmm6-7) stream along K, 64 at a time; the block is then stored and dequantized with
+    the column's start, the bias and the activation or residual, while it is in L1. A last half
+    block (16 rows) runs on two accumulators and one row tile."""
+    import tvm
+    from tvm.script import tirx as T
+
+    assert int8_fits(n, k), (n, k)
+    epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
+    lead = tuple(lead) if lead else (m,)
+    residual_shape = (*lead, n) if residual else (1,)
+    rows = padded_rows(m)
+    whole_blocks, half_block = rows // TILE, rows % TILE > 0
+    panels, k_steps = n // TILE, k // INT8_K_STEP
+    panel_stride = TILE * 4  # bytes from one k quad of a panel to the next
+    chunk = _row_chunk(whole_blocks, TILE * k, row_chunk_bytes)
+    configure_tiles = _tile_configuration()
+
+    @T.macro
+    def row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, row, halves):
+        # halves: 2 for a whole block (accumulators tmm0-3, rows tmm4-5), 1 for its first 16 rows
+        for tile in T.unroll(2 * halves):
+            T.evaluate(_amx("tilezero", T.int8(tile)))
+        for ks in range(k_steps):
+            for half in T.unroll(halves):
+                T.evaluate(_amx("tileloadd64", T.int8(4 + half), T.address_of(x[row + 16 * half, ks * INT8_K_STEP]), T.int64(k)))
+            T.evaluate(_amx("tileloadd64", T.int8(6), T.address_of(wq[p, ks * 16, 0]), T.int64(panel_stride)))
+            T.evaluate(_amx("tileloadd64", T.int8(7), T.address_of(wq[p, ks * 16, 64]), T.int64(panel_stride)))
+            for half in T.unroll(halves):
+                T.evaluate(_amx("tdpbusd", T.int8(2 * half), T.int8(4 + half), T.int8(6)))
+                T.evaluate(_amx("tdpbusd", T.int8(2 * half + 1), T.int8(4 + half), T.int8(7)))
+        for half in T.unroll(halves):
+            T.evaluate(_amx("tilestored64", T.int8(2 * half), T.address_of(block[16 * half, 0]), T.int64(TILE * 4)))
+            T.evaluate(_amx("tilestored64", T.int8(2 * half + 1), T.address_of(block[16 * half, 16]), T.int64(TILE * 4)))
+        for i in range(16 * halves):
+            if row + i < m:
+                for j in T.vectorized(TILE):
+                    if residual:
+                        yf[row + i, p * TILE + j] = T.Cast("float32", block[i, j] + c0[p * TILE + j]) \
+                            * (sx[row + i] * sw[p * TILE + j]) + b[p * TILE + j] + rf[row + i, p * TILE + j]
+                    else:
+                        yf[row + i, p * TILE + j] = epilogue(T.Cast("float32", block[i, j] + c0[p * TILE + j])
+                                                             * (sx[row + i] * sw[p * TILE + j]) + b[p * TILE + j])
+
+    @T.prim_func(s_tir=True)
+    def amx_int8_matmul(x: T.Buffer((rows, k), "uint8"), sx: T.Buffer((m,), "float32"),
+                        wq: T.Buffer((panels, k // 4, panel_stride), "int8"), c0: T.Buffer((n,), "int32"),
+                        sw: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"),
+                        y: T.Buffer((*lead, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, INT8_KERNEL_ATTR: True, "op_pattern": 8})
+        with T.sblock("root"):
+            with T.sblock("amx_int8_tiles"):
+                T.reads(whole(x), whole(sx), whole(wq), whole(c0), whole(sw), whole(b), whole(r))
+                T.writes(whole(y))
+                rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
+                yf = T.decl_buffer((m, n), "float32", data=y.data)
+                for mc in range(whole_blocks // chunk):
+                    for p in T.parallel(panels):
+                        configure_tiles()
+                        block = T.alloc_buffer((TILE, TILE), "int32", scope="local")  # the accumulator tiles, stored
+                        for mi in range(chunk):
+                            row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, (mc * chunk + mi) * TILE, 2)
+                        T.evaluate(_amx("tilerelease"))
+                if half_block:
+                    for p in T.parallel(panels):
+                        configure_tiles()
+                        block = T.alloc_buffer((TILE, TILE), "int32", scope="local")
+                        row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, 1)
+                        T.evaluate(_amx("tilerelease"))
+
+    assert isinstance(amx_int8_matmul, tvm.tirx.PrimFunc)
+    return amx_int8_matmul
+
+
 def instructions_in(executable) -> dict[str, int]:
-    """How many ``tdpbf16ps`` the executable's CPU code holds."""
-    return {INSTRUCTION: assembly_of(executable).count(INSTRUCTION)}
+    """How many of each kernel's instruction (``tdpbf16ps``, ``tdpbusd``) the executable's CPU code holds."""
+    assembly = assembly_of(executable)
+    return {name: assembly.count(f"\t{name}\t") for name in INSTRUCTIONS}

@@ -45,6 +45,7 @@ KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul ker
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
 LEVELS = 127  # symmetric int8: -127..127, so that negation never overflows
 REDUCED_LEVELS = 63  # --reduce-range's weights: 7 bits, -63..63
+AMX_INSTRUCTION = "tdpbusd"  # AMX-INT8's tile dot product (kernels/amx.int8_kernel): vpdpbusd's operands, 16 x 16 lanes at once
 
 
 def tile(n: int, lanes: int) -> tuple[int, int] | None:
@@ -127,9 +128,10 @@ def dot_product(instruction: str, reduce_range: bool) -> DotProduct:
 
 def instructions_in(executable) -> dict[str, int]:
     """How many of each dot product's instruction the executable's CPU code holds: which one its
-    int8 matmuls run on (``vpmaddubsw``'s route holds as many ``vpmaddwd``: its second step)."""
+    int8 matmuls run on (``vpmaddubsw``'s route holds as many ``vpmaddwd``: its second step;
+    ``tdpbusd``: AMX's, ``kernels/amx.py``)."""
     assembly = assembly_of(executable)
-    return {name: assembly.count(f"{name}\t") for name in DOT_PRODUCTS}
+    return {name: assembly.count(f"\t{name}\t") for name in (*DOT_PRODUCTS, AMX_INSTRUCTION)}
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
@@ -236,26 +238,29 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
 
 def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | None = None,
-                         dot: DotProduct = DOT_PRODUCTS["vpmaddwd"]):
+                         dot: DotProduct = DOT_PRODUCTS["vpmaddwd"], rows: int | None = None):
     """The PrimFunc ``(xq[*lead, k], sx[m]) = quantize(x[*lead, k])``: per row, ``sx = max|x| / 127``
     and ``xq = round(x / sx) + offset`` (half to even, as NumPy rounds) in ``dot``'s rows dtype; a
-    row of zeros gets ``sx = 0`` and ``xq = offset``."""
+    row of zeros gets ``sx = 0`` and ``xq = offset``. With ``rows`` (AMX's whole row tiles,
+    ``kernels/amx.padded_rows``), xq is ``[rows, k]``, the rows past m zeros (``offset``)."""
     import tvm
     from tvm.script import tirx as T
 
     lead = tuple(lead) if lead else (m,)
     assert k % lanes == 0, (k, lanes)
     vectors = k // lanes
+    padding = rows - m if rows is not None else 0
+    xq_shape = (rows, k) if rows is not None else (*lead, k)
 
     @T.prim_func(s_tir=True)
-    def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer((*lead, k), dot.rows_dtype), sx: T.Buffer((m,), "float32")):
+    def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer(xq_shape, dot.rows_dtype), sx: T.Buffer((m,), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, QUANTIZE_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("quantize_rows"):
                 T.reads(whole(x))
                 T.writes(whole(xq), whole(sx))
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
-                qf = T.decl_buffer((m, k), dot.rows_dtype, data=xq.data)
+                qf = T.decl_buffer((m + padding, k), dot.rows_dtype, data=xq.data)
                 for row in T.parallel(m):
                     peak = T.alloc_buffer((lanes,), "float32")
                     for j in T.vectorized(lanes):
@@ -274,6 +279,10 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
                         for j in T.vectorized(lanes):
                             qf[row, v * lanes + j] = T.Cast(dot.rows_dtype, T.nearbyint(xf[row, v * lanes + j] * inverse[0])
                                                             + T.float32(dot.offset))
+                for row in range(padding):
+                    for v in range(vectors):
+                        for j in T.vectorized(lanes):
+                            qf[m + row, v * lanes + j] = T.Cast(dot.rows_dtype, T.float32(dot.offset))
 
     assert isinstance(quantize_rows, tvm.tirx.PrimFunc)
     return quantize_rows

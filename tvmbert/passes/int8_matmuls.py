@@ -1,9 +1,11 @@
 """The ``int8-matmuls`` pass: fp32 matmuls by a weight, with their bias and the activation or
 residual add after them, become a row quantization of the input and one call of the int8 kernel
-(``kernels/int8.py``) on the weight quantized per output channel."""
+(``kernels/int8.py``, or on AMX-INT8 ``kernels/amx.int8_kernel``) on the weight quantized per
+output channel."""
 
 from __future__ import annotations
 
+from tvmbert.kernels import amx
 from tvmbert.kernels.int8 import LEVELS, REDUCED_LEVELS, DotProduct, dot_product, fits, kernel, quantize_rows_kernel, tile
 
 
@@ -27,13 +29,15 @@ def quantized_weight(weight, width: int, dot: DotProduct, levels: int):
     return laid_out, scale, start
 
 
-def int8_matmuls(lanes: int, instruction: str, reduce_range: bool):
+def int8_matmuls(lanes: int, instruction: str, reduce_range: bool, amx_tiles: bool = False):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, N a
     multiple of the lanes, K of the lanes (the row quantization's vectors) and the product used by
     nothing else, becomes a row quantization of x and one call of the kernel, together with the
     activation or the residual add that follows it, if any (``kernel_calls.Epilogues``). At every
     row count: no schedule of TVM's runs int8 faster. Everything else is left as it is.
-    ``instruction``: the target's widest dot product; ``reduce_range``: 7-bit weights."""
+    ``instruction``: the target's widest dot product; ``reduce_range``: 7-bit weights;
+    ``amx_tiles``: the matmuls AMX's tiles fit (``amx.int8_fits``) run on AMX-INT8 (its rows
+    quantized as for ``instruction``, ``vpdpbusd`` on every such CPU, into whole row tiles)."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count, unread
@@ -41,33 +45,42 @@ def int8_matmuls(lanes: int, instruction: str, reduce_range: bool):
 
     dot = dot_product(instruction, reduce_range)
     weight_levels = REDUCED_LEVELS if reduce_range else LEVELS
+    assert not amx_tiles or dot.offset, dot.instruction  # AMX's rows are u8 with the offset, as VNNI's
+
+    def on_amx(n, k):
+        return amx_tiles and amx.int8_fits(n, k)
 
     def takes(_lead, n, k):
         return fits(n, k, lanes)
 
-    def quantizer(rewriter, lead, k):
-        key = ("quantize_rows", *lead, k)
+    def make_kernel(m, lead, n, k, activation, residual, _out_dtype):
+        if on_amx(n, k):
+            return amx.int8_kernel(m, n, k, lead, activation, residual)
+        return kernel(m, n, k, lanes, lead, activation, residual, dot)
+
+    def quantizer(rewriter, lead, k, rows):
+        key = ("quantize_rows", *lead, k, rows)
         if key not in rewriter.cache:
-            function = quantize_rows_kernel(row_count(lead), k, lanes, lead, dot)
-            name = "int8_quantize_rows_" + "x".join(str(d) for d in (*lead, k))
+            function = quantize_rows_kernel(row_count(lead), k, lanes, lead, dot, rows)
+            name = "int8_quantize_rows_" + "x".join(str(d) for d in (*lead, k)) + (f"_to_{rows}_rows" if rows else "")
             rewriter.cache[key] = rewriter.builder_.add_func(function.without_attr("global_symbol"), name)
         return rewriter.cache[key]
 
     def call_kernel(rewriter, x, weight, bias, sizes, activation, residual):
         lead, n, k = sizes
         m = row_count(lead)
-        _, vectors = tile(n, lanes)
+        rows = amx.padded_rows(m) if on_amx(n, k) else None
+        width = amx.TILE if rows else tile(n, lanes)[1] * lanes
         emit = rewriter.builder_.emit
-        laid_out, weight_scale, start = quantized_weight(weight, vectors * lanes, dot, weight_levels)
+        laid_out, weight_scale, start = quantized_weight(weight, width, dot, weight_levels)
         laid_out, weight_scale = emit(laid_out), emit(weight_scale)
         start = emit(start) if start is not None else unread("int32")
-        quantized = emit(relax.call_tir(quantizer(rewriter, lead, k), [x], [relax.TensorType((*lead, k), dot.rows_dtype),
-                                                                            relax.TensorType((m,), "float32")]))
-        rows, row_scale = emit(relax.TupleGetItem(quantized, 0)), emit(relax.TupleGetItem(quantized, 1))
+        rows_type = relax.TensorType((rows, k) if rows else (*lead, k), dot.rows_dtype)
+        quantized = emit(relax.call_tir(quantizer(rewriter, lead, k, rows), [x], [rows_type, relax.TensorType((m,), "float32")]))
+        quantized_rows, row_scale = emit(relax.TupleGetItem(quantized, 0)), emit(relax.TupleGetItem(quantized, 1))
         weight_operand, *rest = kernel_operands(laid_out, bias, residual)
         kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32")
-        return relax.call_tir(kernel_for(m, lead), [rows, row_scale, weight_operand, start, weight_scale, *rest],
+        return relax.call_tir(kernel_for(m, lead), [quantized_rows, row_scale, weight_operand, start, weight_scale, *rest],
                               relax.TensorType((*lead, n), "float32"))
 
-    return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", lambda m, lead, n, k, activation, residual, _:
-                                   kernel(m, n, k, lanes, lead, activation, residual, dot), takes, call_kernel)
+    return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", make_kernel, takes, call_kernel)

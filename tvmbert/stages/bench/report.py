@@ -51,7 +51,7 @@ def plot(report: dict) -> bytes:
     return png.getvalue()
 
 
-WIDEST_SETS = ("avx2", "avx512f", "avx512vnni", "avx512bf16", "avxvnni", "amx-bf16")  # what tells CPUs apart in a table
+WIDEST_SETS = ("avx2", "avx512f", "avx512vnni", "avx512bf16", "avxvnni", "amx-bf16", "amx-int8")  # what tells CPUs apart in a table
 
 
 def to_markdown(report: dict, command: str) -> str:

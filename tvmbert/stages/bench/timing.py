@@ -210,7 +210,7 @@ def environment(job: Job, threads: int) -> dict:
     return {
         "cpu": cpu["model name"] + family,
         # What the figures were measured with: an AVX2 machine and an AVX-512 one are different products.
-        "instruction_sets": [name for name, flag in targets.INSTRUCTION_SETS.items() if flag in flags] + (["amx-bf16"] if "amx_bf16" in flags else []),
+        "instruction_sets": [name for name, flag in targets.INSTRUCTION_SETS.items() if flag in flags] + [name for name in ("amx-bf16", "amx-int8") if name.replace("-", "_") in flags],
         "cores": cpu_count(),
         "threads": threads,
         "target": job.target.key,
