@@ -30,7 +30,7 @@ def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype)
     b = rng.standard_normal(n, dtype=np.float32)
     packed = np.ascontiguousarray(w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1))
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
-    library = tvm.compile(tvm.IRModule({"main": amx.kernel(m, n, k, lead, activation, residual, out_dtype)}),
+    library = tvm.compile(tvm.IRModule({"main": amx.bf16_kernel(m, n, k, lead, activation, residual, out_dtype)}),
                           target=targets.resolve("llvm").tvm_target())
     y = tvm.runtime.tensor(np.zeros((*lead, n), ml_dtypes.bfloat16 if out_dtype == "bfloat16" else "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b, r)), y)

@@ -127,6 +127,7 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
     ((14,), 64, 128),  # a half block (16 rows), 2 of them padding: bert's 1 x 14
     ((2, 20), 96, 192),  # a whole block and a half one, 8 rows of padding; 3 panels; 3 k steps
     ((64,), 32, 64),  # whole blocks: no padding
+    ((20,), 64, 128),  # a whole block, 12 rows of it padding
     ((300,), 64, 256),  # 9 whole blocks in 3 chunks of "L2" (row_chunk_bytes below), and a half one
 ])
 @pytest.mark.parametrize("activation, residual", EPILOGUES)
@@ -243,8 +244,22 @@ def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert
     meta = build_meta(workdir, "b1-s14-int8", target="llvm -mcpu=sapphirerapids")
     assert len(meta["int8_kernels"]) == 5 and meta["amx_kernels"] == meta["int8_kernels"]
     instructions = meta["int8_instructions"]
-    assert instructions["tdpbusd"] >= 5 * 4 and instructions["vpdpbusd"] == 0 and meta["amx_instructions"]["tdpbusd"] > 0
-    assert all(name.endswith("_to_16_rows") for name in meta["int8_quantize_kernels"])  # 14 and 1 rows: a half block
+    assert instructions["tdpbusd"] >= 5 * 2 and instructions["vpdpbusd"] == 0 and meta["amx_instructions"]["tdpbusd"] > 0
+    quantizers = meta["int8_quantize_kernels"]  # 14 rows (128 and 512 wide) and the pooler's 1: a half block each
+    assert len(quantizers) == 3 and all(name.endswith("_to_16_rows") for name in quantizers)
+    # -mattr=-amx-int8: the same CPU's vectors (optimize's cache follows -mattr too)
+    vectors = "llvm -mcpu=sapphirerapids -mattr=-amx-int8"
+    assert tvmbert("build", "bert-tiny", "--dtype", "int8", "--target", vectors, "--json").code == 0
+    meta = build_meta(workdir, "b1-s14-int8", target=vectors)
+    assert "amx_kernels" not in meta and meta["int8_instructions"]["vpdpbusd"] > 0 and meta["int8_instructions"]["tdpbusd"] == 0
+
+
+def test_an_int8_package_for_an_amx_cpu_asks_for_the_tiles_before_it_loads(workdir, tmp_path):
+    """Compiled only: its manifest counts the AMX kernels, which is what makes tvmbert.load ask Linux
+    for AMX's tile state first (on a CPU without it, the package is refused before that)."""
+    manifest = export(JobConfig(model="bert-tiny", dtype="int8", workdir=str(workdir), target="llvm -mcpu=sapphirerapids"),
+                      tmp_path / "amx", batches=(1,), seq_lens=(16,))
+    assert manifest["amx_kernels"] == 5
 
 
 def test_a_matmul_amx_tiles_do_not_fit_stays_on_vpdpbusd():
@@ -271,6 +286,8 @@ def test_a_matmul_amx_tiles_do_not_fit_stays_on_vpdpbusd():
     on_amx = {name for name, f in kernels.items() if amx.KERNEL_ATTR in f.attrs}
     assert {name for name, f in kernels.items() if int8.KERNEL_ATTR in f.attrs} == {"int8_matmul_14x48x64", "int8_matmul_14x64x64"}
     assert on_amx == {"int8_matmul_14x64x64"}
+    narrow = kernels["int8_matmul_14x48x64"].script()  # VNNI's u8 rows, one start per column
+    assert 'x: T.Buffer((14, 64), "uint8")' in narrow and 'c0: T.Buffer((48,), "int32")' in narrow
     assert {"int8_quantize_rows_14x64", "int8_quantize_rows_14x64_to_16_rows"} <= set(kernels)
 
 

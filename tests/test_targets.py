@@ -31,6 +31,17 @@ def test_target_keys(text, key):
     assert targets.resolve(text).key == key
 
 
+def test_mattr_takes_one_feature_or_a_list_and_the_kernels_follow_it():
+    """TVM takes -mattr as a list: a single '+avx2' was refused as a string."""
+    amx = targets.resolve("llvm -mcpu=sapphirerapids")
+    without_amx = targets.resolve("llvm -mcpu=sapphirerapids -mattr=-amx-int8")
+    without_vnni = targets.resolve("llvm -mcpu=sapphirerapids -mattr=-amx-int8,-avx512vnni")
+    assert without_amx.config["mattr"] == ["-amx-int8"] and without_vnni.config["mattr"] == ["-amx-int8", "-avx512vnni"]
+    assert amx.has_amx_int8 and not without_amx.has_amx_int8 and without_amx.int8_instruction == "vpdpbusd"
+    assert without_vnni.int8_instruction == "vpmaddwd" and not without_vnni.has_amx_int8
+    assert not targets.resolve("llvm -mcpu=skylake-avx512 -mattr=+amx-int8").has_amx_int8  # AMX's rows are VNNI's
+
+
 @pytest.mark.parametrize("text", ["vulkan", "cuda arch", '{"kind": "tpu"}', "{not json", "llvm -mcpu='x"])
 def test_bad_targets(text):
     with pytest.raises(InputError):

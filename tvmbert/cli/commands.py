@@ -38,7 +38,8 @@ def _common(func):
                      "(a head saved without its classifier) with those drawn from --seed, for experiments; every report says so."),
         click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
         click.option("--reduce-range", is_flag=True, default=None, help="int8: 7-bit weights, as ONNX Runtime's reduce_range: "
-                     "on a CPU without VNNI the matmuls run 1.2-1.5x faster (vpmaddubsw), for some accuracy (README: int8)."),
+                     "on a CPU without VNNI the matmuls run 1.2-1.5x faster (vpmaddubsw), for some accuracy; with VNNI or AMX, no faster "
+                     "(README: int8)."),
         click.option("--disable", multiple=True, help="Leave a pass out of the pipeline, one the dtype or target adds "
                      "included (repeatable; names: tvmbert optimize --json)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),

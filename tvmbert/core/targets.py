@@ -113,9 +113,10 @@ class TargetSpec:
 
     @cached_property
     def has_amx_int8(self) -> bool:
-        """Whether int8 weight matmuls run on AMX tiles (``kernels/amx.int8_kernel``); the rest of
-        an int8 build, and the matmuls AMX's tiles do not fit, on ``int8_instruction``."""
-        return self.int8_lanes == 16 and self.has_features(AMX_INT8)
+        """Whether int8 weight matmuls run on AMX tiles (``kernels/amx.int8_kernel``), their rows
+        quantized as for AVX512-VNNI (every AMX CPU has it); the matmuls AMX's tiles do not fit
+        run on ``int8_instruction``."""
+        return self.int8_instruction == "vpdpbusd" and self.int8_lanes == 16 and self.has_features(AMX_INT8)
 
     def no_amx_message(self) -> str:
         return (f"--dtype bfloat16 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later), and target '{self.key}' "
@@ -237,6 +238,9 @@ def _compiled_instruction_sets(config_json: str) -> frozenset[str]:
     return frozenset(str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))) & INSTRUCTION_SETS.keys()
 
 
+LIST_OPTIONS = ("mattr", "libs", "keys", "cl-opt")  # options TVM takes as lists: -mattr=+avx2,-amx-int8
+
+
 def _legacy_options(text: str) -> tuple[str, dict]:
     """Parses 'cuda -arch=sm_90' style strings, which TVM 0.27 itself no longer accepts."""
     parts = shlex.split(text)
@@ -245,7 +249,7 @@ def _legacy_options(text: str) -> tuple[str, dict]:
         if not part.startswith("-") or "=" not in part:
             raise InputError(f"target '{text}': cannot read option '{part}' (expected -name=value)")
         name, value = part.lstrip("-").split("=", 1)
-        options[name] = int(value) if value.isdigit() else value
+        options[name] = value.split(",") if name in LIST_OPTIONS else int(value) if value.isdigit() else value
     return parts[0], options
 
 

@@ -80,7 +80,7 @@ def mark_layout_free_weights(module):
 
 
 def _hand_written(func) -> bool:
-    """A kernel written scheduled (the AMX one): its weight layout is its own already."""
+    """A kernel written scheduled (ours): its weight layout is its own already."""
     return bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
 
 
@@ -112,7 +112,7 @@ def without_marks(module, names: set[str]):
 
 def extract_tasks(module, target, entries: tuple[str, ...] = ("main",)) -> list[Task]:
     """The kernels the ``entries`` call (main: inference), with their call counts; hand-written
-    kernels (the AMX one) are no task: nothing to tune, no schedule to find."""
+    kernels (ours) are no task: nothing to tune, no schedule to find."""
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.analysis import estimate_tir_flops
 

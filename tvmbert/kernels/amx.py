@@ -67,13 +67,13 @@ def _row_chunk(row_blocks: int, block_bytes: int, chunk_bytes: int) -> int:
     return max((d for d in range(1, row_blocks + 1) if row_blocks % d == 0 and d * block_bytes <= chunk_bytes), default=1)
 
 
-def fits(m: int, n: int, k: int) -> bool:
-    """Whether the kernel takes a matmul of these sizes (M is padded, N and K are not)."""
+def bf16_fits(m: int, n: int, k: int) -> bool:
+    """Whether the bf16 kernel takes a matmul of these sizes (M is padded, N and K are not)."""
     return m >= 1 and n % TILE == 0 and k % TILE == 0 and n > 0 and k > 0
 
 
-def kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, out_dtype: str = "float32", row_chunk_bytes: int = 1 << 20):
+def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
+                residual: bool = False, out_dtype: str = "float32", row_chunk_bytes: int = 1 << 20):
     """The AMX PrimFunc for ``Y[m, n] = act(X[m, k] @ W[k, n] + b[n]) (+ R[m, n])`` (m, n, k
     multiples of 32), W packed, ``act`` one of ``ACTIVATIONS`` or none: bias, activation and
     residual applied to each 32 x 32 block as it is stored, while it is in L1 (without

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from tvmbert.kernels.amx import ACTIVATIONS, TILE, fits, kernel
+from tvmbert.kernels.amx import ACTIVATIONS, TILE, bf16_fits, bf16_kernel
 
 
 def weight_in_vnni_layout(weight):
@@ -35,7 +35,7 @@ def amx_matmuls():
         def __init__(self, module):
             super().__init__(module)
             self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype:
-                                           kernel(m, n, k, lead, activation, residual, out_dtype))
+                                           bf16_kernel(m, n, k, lead, activation, residual, out_dtype))
             self.weights = set()
             self.epilogues = None
 
@@ -48,7 +48,7 @@ def amx_matmuls():
         def fits(self, call):
             sizes = weight_matmul_sizes(call, self.weights)
             if (sizes is None or str(call.attrs.out_dtype) != "float32" or any(arg.ty.dtype != "bfloat16" for arg in call.args)
-                    or not fits(row_count(sizes[0]), *sizes[1:])):
+                    or not bf16_fits(row_count(sizes[0]), *sizes[1:])):
                 return None
             return sizes
 

@@ -45,7 +45,7 @@ def int8_matmuls(lanes: int, instruction: str, reduce_range: bool, amx_tiles: bo
 
     dot = dot_product(instruction, reduce_range)
     weight_levels = REDUCED_LEVELS if reduce_range else LEVELS
-    assert not amx_tiles or dot.offset, dot.instruction  # AMX's rows are u8 with the offset, as VNNI's
+    assert not amx_tiles or dot.instruction == "vpdpbusd", dot.instruction  # AMX's rows are VNNI's (TargetSpec.has_amx_int8)
 
     def on_amx(n, k):
         return amx_tiles and amx.int8_fits(n, k)

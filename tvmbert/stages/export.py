@@ -202,7 +202,7 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
             packing_meta = {"inputs": list(packing.input_names(bucket_job.source.inputs)),
                             "positions": artifact.meta["packing"]["positions"]}
         variant = variants.setdefault(key, {"target": bucket_job.target.config, "target_key": key, "buckets": [], "amx_kernels": 0})
-        # The loader asks the OS for AMX's tile state before loading such libraries (bf16 on AMX).
+        # The loader asks the OS for AMX's tile state before loading such libraries (bf16, or int8 on AMX-INT8).
         variant["amx_kernels"] += len(artifact.meta.get("amx_kernels") or ())
         variant["buckets"].append({"batch": batch, "seq_len": seq_len, **({"tokens": tokens} if tokens else {}), "library": library,
                                    "weights": keys, "tasks_total": artifact.meta["tasks_total"],

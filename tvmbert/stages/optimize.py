@@ -40,6 +40,8 @@ def optimize(job: Job, force: bool = False) -> Artifact:
     names = pipeline(job)
     stage = CachedStage(job, "optimize", convert=converted.fingerprint, passes=names,
                         **({"target": job.target.key} if per_target(names) else {}),
+                        # which kernels a pass calls follows the target's features, -mattr's too (-amx-int8, -avx512vnni)
+                        **({"mattr": job.target.config["mattr"]} if per_target(names) and job.target.config.get("mattr") else {}),
                         **({"reduce_range": True} if job.config.reduce_range else {}))
     if hit := stage.reused(force):
         return hit
