@@ -24,14 +24,16 @@ the columns' starts), the rows padded to 32 by the quantization kernel itself: s
 from __future__ import annotations
 
 from tvmbert.kernels.fma import assembly_of, whole
+from tvmbert.kernels.int8 import AMX_INSTRUCTION as INT8_INSTRUCTION
 from tvmbert.kernels.int8 import KERNEL_ATTR as INT8_KERNEL_ATTR
+from tvmbert.kernels.int8 import dequantized
 from tvmbert.kernels.scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.amx"  # PrimFunc attribute marking a kernel on AMX tiles (build counts them; the loader asks for them)
 TILE = 32  # M, N and K granularity of the bf16 kernel (2 x 2 tiles of 16 x 16 fp32, K in steps of 32 bf16); M and N of the int8 one
 INT8_K_STEP = 64  # the int8 kernel's K granularity: a tile row of 64 bytes
 HALF_BLOCK = 16  # the int8 kernel's M granularity: a row tile (a 32-row block's half)
-INSTRUCTIONS = ("tdpbf16ps", "tdpbusd")  # what the kernels' assembly holds, bf16's and int8's
+INSTRUCTIONS = ("tdpbf16ps", INT8_INSTRUCTION)  # what the kernels' assembly holds, bf16's and int8's
 ACTIVATIONS = {"relax.nn.gelu": gelu_float32}  # applied as a block is stored (the FFN's GELU)
 
 
@@ -206,11 +208,11 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
             if row + i < m:
                 for j in T.vectorized(TILE):
                     if residual:
-                        yf[row + i, p * TILE + j] = T.Cast("float32", block[i, j] + c0[p * TILE + j]) \
-                            * (sx[row + i] * sw[p * TILE + j]) + b[p * TILE + j] + rf[row + i, p * TILE + j]
+                        yf[row + i, p * TILE + j] = dequantized(block[i, j] + c0[p * TILE + j], sx[row + i], sw[p * TILE + j],
+                                                                b[p * TILE + j]) + rf[row + i, p * TILE + j]
                     else:
-                        yf[row + i, p * TILE + j] = epilogue(T.Cast("float32", block[i, j] + c0[p * TILE + j])
-                                                             * (sx[row + i] * sw[p * TILE + j]) + b[p * TILE + j])
+                        yf[row + i, p * TILE + j] = epilogue(dequantized(block[i, j] + c0[p * TILE + j], sx[row + i],
+                                                                         sw[p * TILE + j], b[p * TILE + j]))
 
     @T.prim_func(s_tir=True)
     def amx_int8_matmul(x: T.Buffer((rows, k), "uint8"), sx: T.Buffer((m,), "float32"),

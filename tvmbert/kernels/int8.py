@@ -137,6 +137,14 @@ def instructions_in(executable) -> dict[str, int]:
     return {name: assembly.count(f"\t{name}\t") for name in (*DOT_PRODUCTS, AMX_INSTRUCTION)}
 
 
+def dequantized(total, row_scale, column_scale, bias):
+    """TIR: an exact int32 sum (the column's start in it) back in float32, as every int8 kernel
+    stores it, AMX's too: ``total x (sx x sw) + b``."""
+    from tvm.script import tirx as T
+
+    return T.Cast("float32", total) * (row_scale * column_scale) + bias
+
+
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
            residual: bool = False, dot: DotProduct = DOT_PRODUCTS["vpmaddwd"]):
     """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
@@ -189,12 +197,12 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
             for v in T.unroll(vectors):
                 for j in T.vectorized(lanes):
                     if residual:
-                        yf[first_row + i, p * width + v * lanes + j] = T.Cast("float32", acc[i, v * lanes + j]) \
-                            * (sx[first_row + i] * sw[p * width + v * lanes + j]) + b[p * width + v * lanes + j] \
+                        yf[first_row + i, p * width + v * lanes + j] = dequantized(
+                            acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j]) \
                             + rf[first_row + i, p * width + v * lanes + j]
                     else:
-                        yf[first_row + i, p * width + v * lanes + j] = epilogue(T.Cast("float32", acc[i, v * lanes + j])
-                            * (sx[first_row + i] * sw[p * width + v * lanes + j]) + b[p * width + v * lanes + j])
+                        yf[first_row + i, p * width + v * lanes + j] = epilogue(dequantized(
+                            acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j]))
 
     @T.macro
     def row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, head, tail):
