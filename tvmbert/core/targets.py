@@ -283,6 +283,8 @@ def resolve(text: str) -> TargetSpec:
         raise InputError(f"target '{text}' is not valid for TVM: {str(exc).splitlines()[-1]}") from None
     if facts.llvm_triple is not None:
         _check_llvm_cpu(text, config, facts.llvm_triple)
+    if kind == "llvm" and config.get("mattr"):
+        _check_llvm_features(text, config)
     return TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]))
 
 
@@ -299,6 +301,26 @@ def _check_llvm_cpu(text: str, config: dict, default_triple: Callable[[], str]) 
         close = difflib.get_close_matches(cpu, known, n=3)
         raise InputError(f"target '{text}': LLVM knows no CPU '{cpu}' for {triple}"
                          + (f"; did you mean {', '.join(close)}?" if close else f" (known: {', '.join(known[:12])}, ...)"))
+
+
+def _check_llvm_features(text: str, config: dict) -> None:
+    """LLVM ignores a feature it does not know with a warning: ``-mattr=-amx-int`` would build with
+    AMX, exit 0. Each entry is +name or -name, and LLVM must turn it on when asked to."""
+    import tvm
+    from tvm.target import codegen
+
+    unknown = []
+    for entry in config["mattr"]:
+        name = str(entry)[1:]
+        if str(entry)[:1] not in "+-" or not name:
+            unknown.append(str(entry))
+            continue
+        probe = {key: value for key, value in config.items() if key != "num-cores"} | {"mattr": [f"+{name}"]}
+        if name not in {str(feature) for feature in codegen.llvm_get_cpu_features(tvm.target.Target(probe))}:
+            unknown.append(str(entry))
+    if unknown:
+        raise InputError(f"target '{text}': -mattr names no feature LLVM knows in {', '.join(repr(e) for e in unknown)} "
+                         f"(each entry +name or -name, e.g. -mattr=+avx2,-amx-int8)")
 
 
 def _key(kind: str, detail) -> str:
