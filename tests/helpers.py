@@ -20,18 +20,6 @@ HOST = HOST_TARGET.tvm_target()
 HOST_LANES = HOST_TARGET.fp32_lanes  # 16 with AVX-512, 8 with AVX2 and FMA, 0 without: our fp32 kernels' vectors
 
 
-def _host_has_amx(has_feature: bool) -> bool:
-    from tvmbert.deploy.loader import request_amx_permission
-
-    if not has_feature:
-        return False
-    try:
-        request_amx_permission()
-    except OSError:
-        return False
-    return True
-
-
 def _first_cpu(candidates, runnable: bool) -> str | None:
     """The first LLVM CPU of ``candidates``, other than this one, whose code this host can (or cannot) run."""
     for cpu in candidates:
@@ -45,8 +33,8 @@ def _first_cpu(candidates, runnable: bool) -> str | None:
 OTHER_CPU = _first_cpu(("skylake-avx512", "haswell", "x86-64-v3"), runnable=True)
 # A CPU with an instruction set this host lacks: code for it is only ever compiled here, never run.
 UNRUNNABLE_CPU = _first_cpu(("sapphirerapids", "znver5", "skylake-avx512"), runnable=False)
-HOST_AMX = _host_has_amx(HOST_TARGET.has_amx_bf16)  # --dtype bfloat16 builds for this CPU (it is refused without AMX-BF16)
-HOST_AMX_INT8 = _host_has_amx(HOST_TARGET.has_amx_int8)  # --dtype int8's weight matmuls run on AMX here
+HOST_AMX = HOST_TARGET.has_amx_bf16  # --dtype bfloat16 builds for this CPU (refused without AMX-BF16, or where this process cannot have AMX)
+HOST_AMX_INT8 = HOST_TARGET.has_amx_int8  # --dtype int8's weight matmuls run on AMX here
 # The instruction this CPU's int8 weight matmuls run on (kernels/int8.py, kernels/amx.py).
 HOST_INT8_INSTRUCTION = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else HOST_TARGET.int8_instruction
 # bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tvmbert import InputError, JobConfig, PackageError, load
+from tvmbert.core import targets
 from tvmbert.core.families import PRESETS
 from tvmbert.deploy.package import MANIFEST_FILE, write_manifest
 from tvmbert.frontend import models
@@ -237,6 +238,25 @@ def test_a_package_built_for_another_cpu_says_so_naming_both(package, tmp_path, 
     quiet = []
     load(package, warn=quiet.append)
     assert quiet == []
+
+
+def test_a_build_with_amx_kernels_is_passed_over_where_this_process_cannot_have_amx(package, tmp_path, monkeypatch):
+    """A fleet package's AMX build on a VM that hides AMX: its first tile instruction would kill the
+    process, so the loader runs another build this CPU can, or refuses in one line."""
+    fleet = tmp_path / "fleet"
+    shutil.copytree(package, fleet)
+    manifest = json.loads((fleet / MANIFEST_FILE).read_text())
+    build = {key: manifest.pop(key) for key in ("target", "target_key", "buckets", "amx_kernels")}
+    manifest["format"] = 3
+    manifest["variants"] = [dict(build, amx_kernels=4), dict(build, target_key="llvm-x86-64-v3", amx_kernels=0)]
+    write_manifest(fleet, manifest)
+    monkeypatch.setattr(targets, "host_grants_amx", lambda: False)
+    said = []
+    assert load(fleet, warn=said.append).variant["target_key"] == "llvm-x86-64-v3" and len(said) == 1
+    manifest["variants"] = manifest["variants"][:1]
+    write_manifest(fleet, manifest)
+    with pytest.raises(PackageError, match="amx-tile .AMX: this kernel or VM"):
+        load(fleet)
 
 
 def test_threads_calling_one_model_get_what_one_thread_gets(model):

@@ -45,6 +45,36 @@ def test_mattr_takes_one_feature_or_a_list_and_the_kernels_follow_it():
             targets.resolve(f"llvm -mcpu=sapphirerapids -mattr={typo}")
 
 
+def test_an_amx_cpu_whose_tiles_this_process_cannot_have_builds_without_them(monkeypatch, tvmbert):
+    """A VM that hides AMX, or Linux before 5.16: LLVM still names the CPU sapphirerapids, and AMX
+    kernels built for it would die on their first tile instruction. The host's target leaves AMX
+    out (int8 on vpdpbusd; bf16 refused, saying why); a CPU or AMX the user names is kept."""
+    monkeypatch.setattr(targets, "host_mcpu", lambda: "sapphirerapids")
+    monkeypatch.setattr(targets, "host_grants_amx", lambda: False)
+    host = targets.resolve("llvm")
+    assert host.key == "llvm-sapphirerapids" and host.config["mattr"] == ["-amx-tile"] and host.amx_withheld
+    assert not host.has_amx_bf16 and not host.has_amx_int8 and host.int8_instruction == "vpdpbusd"
+    assert targets.resolve("llvm -mattr=+avx512vnni").config["mattr"] == ["+avx512vnni", "-amx-tile"]
+    for named in ("llvm -mcpu=sapphirerapids", "llvm -mattr=+amx-int8"):
+        spec = targets.resolve(named)
+        assert spec.has_amx_int8 and not spec.amx_withheld, named
+    assert_one_line_error(tvmbert("build", "bert-tiny", "--dtype", "bfloat16"), "AMX-BF16", "does not grant AMX's tile state")
+    monkeypatch.setattr(targets, "host_grants_amx", lambda: True)
+    granted = targets.resolve("llvm")
+    assert granted.has_amx_int8 and "mattr" not in granted.config and not granted.amx_withheld
+
+
+def test_amx_kernels_are_missing_where_this_process_cannot_have_amx(monkeypatch):
+    """Whether the CPU, the kernel and the VM grant AMX is asked without requesting it."""
+    assert targets.host_grants_amx() in (True, False)
+    config = {"kind": "llvm", "mcpu": "x86-64"}
+    monkeypatch.setattr(targets, "host_grants_amx", lambda: False)
+    assert targets.missing_host_features(config) == []
+    assert targets.missing_host_features(config, amx_kernels=True) == ["amx-tile"]
+    monkeypatch.setattr(targets, "host_grants_amx", lambda: True)
+    assert targets.missing_host_features(config, amx_kernels=True) == []
+
+
 @pytest.mark.parametrize("text", ["vulkan", "cuda arch", '{"kind": "tpu"}', "{not json", "llvm -mcpu='x"])
 def test_bad_targets(text):
     with pytest.raises(InputError):

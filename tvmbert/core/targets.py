@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import difflib
 import json
 import os
+import platform
 import re
 import shlex
 from collections.abc import Callable
@@ -18,6 +20,10 @@ DEFAULT_CUDA_ARCH = "sm_90"
 DEFAULT_ROCM_MCPU = "gfx906"
 AMX_BF16 = "amx-bf16"  # LLVM's name of the feature the bf16 AMX kernel needs
 AMX_INT8 = "amx-int8"  # and the int8 one's
+AMX_TILE = "amx-tile"  # the feature both need: without it LLVM turns every AMX feature off
+SYS_ARCH_PRCTL, ARCH_GET_XCOMP_SUPP, ARCH_REQ_XCOMP_PERM = 158, 0x1021, 0x1023  # x86-64 Linux
+XFEATURE_XTILEDATA = 18  # the xsave component of AMX's tiles, which Linux hands a process only on request
+AMX_NOT_GRANTED = "this kernel or VM does not grant AMX's tile state: Linux before 5.16, or a VM that hides AMX"
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class TargetSpec:
     text: str
     config: dict  # the TVM JSON target
     key: str  # e.g. llvm-sapphirerapids, cuda-sm_90, rocm-gfx906
+    amx_withheld: bool = False  # this host's CPU has AMX, which this process cannot use: built without it
 
     @property
     def kind(self) -> str:
@@ -119,8 +126,9 @@ class TargetSpec:
         return self.int8_instruction == "vpdpbusd" and self.int8_lanes == 16 and self.has_features(AMX_INT8)
 
     def no_amx_message(self) -> str:
+        why = f" usable here ({AMX_NOT_GRANTED})" if self.amx_withheld else ""
         return (f"--dtype bfloat16 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later), and target '{self.key}' "
-                f"has none: without it TVM's bf16 kernels convert every value to fp32 in their inner loops and run "
+                f"has none{why}: without it TVM's bf16 kernels convert every value to fp32 in their inner loops and run "
                 f"slower than --dtype float32 (AVX512-BF16 alone measured slower than fp32 too). Use --dtype float32, "
                 f"or --dtype float16 for half the weight bytes")
 
@@ -201,6 +209,20 @@ def host_mcpu() -> str:
     return detected if detected and detected != "generic" else "x86-64"
 
 
+@lru_cache(maxsize=1)
+def host_grants_amx() -> bool:
+    """Whether this process can have AMX's tile state (asked, not requested): Linux 5.16 or later
+    on a CPU it shows AMX on. LLVM names a CPU by its model, so a VM that hides AMX, or an older
+    kernel, still gets ``sapphirerapids``, whose AMX code would die on its first tile instruction."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    supported = ctypes.c_uint64(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_SUPP, ctypes.byref(supported)) != 0:
+        return False  # before Linux 5.16: no AMX for any process
+    return bool(supported.value >> XFEATURE_XTILEDATA & 1)
+
+
 def describe_config(config: dict) -> str:
     """A TVM JSON target as a user writes it: 'llvm -mcpu=skylake-avx512 -mattr=+avx2'."""
     options = [f"-{name}={','.join(value) if isinstance(value, list | tuple) else value}"
@@ -208,18 +230,19 @@ def describe_config(config: dict) -> str:
     return " ".join([config.get("kind", "?"), *options])
 
 
-def missing_host_features(config: dict) -> list[str]:
+def missing_host_features(config: dict, amx_kernels: bool = False) -> list[str]:
     """The instruction sets code compiled for ``config`` may use and this CPU lacks, by LLVM's
-    names: code built for them dies on SIGILL here. Empty for GPU targets, other architectures,
-    and hosts whose flags cannot be read."""
-    import platform
-
-    flags = host_flags()
+    names: code built for them dies on SIGILL here. With ``amx_kernels`` (the library holds our
+    AMX kernels), ``amx-tile`` too where this process cannot have AMX (``host_grants_amx``).
+    Empty for GPU targets, other architectures, and hosts whose flags cannot be read."""
     triple = str(config.get("mtriple") or "x86_64")
-    if config.get("kind") != "llvm" or not flags or platform.machine() not in ("x86_64", "AMD64") \
-            or not triple.startswith("x86_64"):
+    if config.get("kind") != "llvm" or not triple.startswith("x86_64"):
         return []
-    return sorted(name for name in compiled_instruction_sets(config) if INSTRUCTION_SETS[name] not in flags)
+    amx = [AMX_TILE] if amx_kernels and not host_grants_amx() else []
+    flags = host_flags()
+    if not flags or platform.machine() not in ("x86_64", "AMD64"):
+        return amx
+    return sorted(name for name in compiled_instruction_sets(config) if INSTRUCTION_SETS[name] not in flags) + amx
 
 
 def compiled_instruction_sets(config: dict) -> frozenset[str]:
@@ -271,6 +294,8 @@ def resolve(text: str) -> TargetSpec:
     if kind not in KINDS:
         raise InputError(f"unknown target '{text}': use one of {', '.join(KINDS)}, e.g. 'cuda -arch=sm_90', or a JSON dict")
     facts = KINDS[kind]
+    # This host's CPU, AMX left to what this process can use, unless the user named a CPU or AMX.
+    host_cpu = kind == "llvm" and "mcpu" not in options and not any("amx" in str(e) for e in options.get("mattr", ()))
     for option, default in facts.defaults.items():
         if option not in options:
             options[option] = default()
@@ -285,7 +310,18 @@ def resolve(text: str) -> TargetSpec:
         _check_llvm_cpu(text, config, facts.llvm_triple)
     if kind == "llvm" and config.get("mattr"):
         _check_llvm_features(text, config)
-    return TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]))
+    amx_withheld = host_cpu and not host_grants_amx() and _has_amx(config)
+    if amx_withheld:
+        config["mattr"] = [*config.get("mattr", ()), f"-{AMX_TILE}"]
+    return TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]), amx_withheld=amx_withheld)
+
+
+def _has_amx(config: dict) -> bool:
+    """Whether LLVM gives code for this llvm target AMX (its CPU's, unless -mattr takes it away)."""
+    import tvm
+    from tvm.target import codegen
+
+    return AMX_TILE in {str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))}
 
 
 def _check_llvm_cpu(text: str, config: dict, default_triple: Callable[[], str]) -> None:

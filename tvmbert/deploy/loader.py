@@ -17,15 +17,21 @@ from tvmbert.core.errors import InputError
 LIBRARY_FILE = "model.so"  # build: the compiled library
 
 
-def check_cpu(what, target_config: dict, error: type[InputError] = InputError) -> None:
+def check_cpu(what, target_config: dict, error: type[InputError] = InputError, amx: bool = False) -> None:
     """Refuses, with ``error``, code compiled for instruction sets this CPU lacks (``what``: the
-    library or the caller, as the message names it): its first call would kill the process
-    (SIGILL), not raise."""
-    missing = targets.missing_host_features(target_config)
+    library or the caller, as the message names it; ``amx``: it holds AMX kernels): its first call
+    would kill the process (SIGILL), not raise."""
+    missing = targets.missing_host_features(target_config, amx)
     if missing:
         raise error(f"{what}: code for '{targets.describe_config(target_config)}' uses {', '.join(missing)}, and this CPU "
                     f"({targets.host_mcpu()}) lacks {'it' if len(missing) == 1 else 'them'}: running it would kill the process "
-                    f"(illegal instruction). Build for this CPU (--target llvm), or for one it has every instruction set of")
+                    f"(illegal instruction){amx_note(missing)}. Build for this CPU (--target llvm), "
+                    f"or for one it has every instruction set of")
+
+
+def amx_note(missing: list[str]) -> str:
+    """Why AMX can be missing on a CPU LLVM names as one with AMX."""
+    return f" (AMX: {targets.AMX_NOT_GRANTED})" if targets.AMX_TILE in missing else ""
 
 
 def load_library(path: Path, target_config: dict, amx: bool = False, error: type[InputError] = InputError):
@@ -41,7 +47,7 @@ def load_library(path: Path, target_config: dict, amx: bool = False, error: type
     targets.use_every_core()
     import tvm
 
-    check_cpu(path, target_config, error)
+    check_cpu(path, target_config, error, amx)
     if amx:  # before loading: the first AMX instruction needs it
         try:
             request_amx_permission()
@@ -63,8 +69,7 @@ def request_amx_permission() -> None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         raise OSError("AMX kernels run on x86-64 Linux only")
     libc = ctypes.CDLL(None, use_errno=True)
-    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    if libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) != 0:
+    if libc.syscall(targets.SYS_ARCH_PRCTL, targets.ARCH_REQ_XCOMP_PERM, targets.XFEATURE_XTILEDATA) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, "this CPU or kernel does not grant AMX (arch_prctl ARCH_REQ_XCOMP_PERM failed): "
                              "a library built with AMX kernels (--dtype bfloat16, or int8 for a CPU with AMX-INT8) cannot run here")

@@ -24,7 +24,7 @@ from tvmbert.core import artifacts, targets
 from tvmbert.core.errors import InputError, PackageError
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT, as_integers, check_range, is_torch
-from tvmbert.deploy.loader import load_library
+from tvmbert.deploy.loader import amx_note, load_library
 from tvmbert.deploy.weights import from_bits
 
 MANIFEST_FILE = "manifest.json"
@@ -127,9 +127,9 @@ class ExportedModel:
             variants = [v for v in variants if v["target_key"] == wanted]
             if not variants:
                 raise PackageError(f"{self.path} has no build for {wanted}: it has {_keys(variants_of(self.manifest))}")
-        runnable = [v for v in variants if not targets.missing_host_features(v["target"])]
+        runnable = [v for v in variants if not _missing(v)]
         if not runnable:
-            missing = "; ".join(f"{v['target_key']}: {', '.join(targets.missing_host_features(v['target']))}" for v in variants)
+            missing = "; ".join(f"{v['target_key']}: {', '.join(_missing(v))}{amx_note(_missing(v))}" for v in variants)
             raise PackageError(f"{self.path} holds builds for {_keys(variants)} only, and this CPU ({here.key}) lacks instruction "
                                f"sets each uses ({missing}): running one would kill the process. Export it with a variant for "
                                f"this CPU (tvmbert export --cpus native,...)")
@@ -361,6 +361,11 @@ def variants_of(manifest: dict) -> list[dict]:
     if "variants" in manifest:
         return manifest["variants"]
     return [{key: manifest.get(key) for key in ("target", "target_key", "buckets", "amx_kernels")}]
+
+
+def _missing(variant: dict) -> list[str]:
+    """What this CPU lacks of what a variant's code uses (its AMX kernels' tile state too)."""
+    return targets.missing_host_features(variant["target"], bool(variant.get("amx_kernels")))
 
 
 def _keys(variants: list[dict]) -> str:

@@ -281,7 +281,7 @@ def _time_buckets(folder: Path, manifest: dict) -> None:
     buckets within a build: their ratios carry)."""
     timed: dict[tuple, float] = {}
     for variant in variants_of(manifest):
-        if targets.missing_host_features(variant["target"]):
+        if targets.missing_host_features(variant["target"], bool(variant.get("amx_kernels"))):
             continue
         model = load(folder, warn=lambda message: None, variant=variant["target_key"])
         for index, bucket in enumerate(variant["buckets"]):
