@@ -60,7 +60,20 @@ def test_the_best_span_lies_on_real_tokens_and_ends_after_it_starts():
     end = np.array([[3.0, 2.0, 0.0, 9.0]])
     mask = np.array([[1, 1, 1, 0]])  # the highest scores sit on padding
     # (3, 3) scores 18 on padding and (2, 0) 8 ending before it starts: (2, 2)'s 5 is the answer.
-    assert accuracy.best_spans(start, end, mask).tolist() == [[2, 2]]
+    # The next best, (0, 0) and (1, 1), score 3: fp32 chose by 2.
+    assert accuracy.best_spans(start, end, mask).tolist() == [[2, 2, 2.0]]
+    assert accuracy.best_spans(start[:, :1], end[:, :1], mask[:, :1]).tolist() == [[0, 0, np.inf]]  # the only span
+
+
+def test_a_span_flip_counts_unless_fp32_chose_within_its_own_rounding():
+    """int8's max-abs tolerance (1.0) must not excuse a flip: fp32's ties are its rounding's only."""
+    span = accuracy.HEAD_KINDS["span"]
+    mask = np.ones((3, 3))
+    # Start and end logits alike: (i, i) scores twice token i's. fp32 chose row 0 by 3 and row 1 by 1e-5.
+    want = np.array([[0.0, 3.0, 0.0], [0.0, 1.0, 1.0 + 1e-5], [2.0, 0.0, 0.0]])
+    got = np.array([[0.0, 2.9, 3.1], [0.0, 1.0 + 1e-5, 1.0], [2.0, 0.0, 0.0]])  # rows 0 and 1 flip; 1 was a tie
+    (metric,) = span.metrics(span.rows([got, got], mask), span.rows([want, want], mask), INT8_GOAL, 1e-4)
+    assert metric.value == pytest.approx(2 / 3) and not metric.passed
 
 
 def test_five_hundred_distinct_english_sentences_ship_with_python():

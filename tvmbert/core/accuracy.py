@@ -81,8 +81,9 @@ def embedding_metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float])
 
 
 def best_spans(start: np.ndarray, end: np.ndarray, mask: np.ndarray, max_length: int = 30) -> np.ndarray:
-    """[rows, 2]: the (start, end) with the highest start + end logit, start <= end < start +
-    max_length, both on real tokens: the answer a QA pipeline returns."""
+    """[rows, 3]: the (start, end) with the highest start + end logit, start <= end < start +
+    max_length, both on real tokens (the answer a QA pipeline returns), and the margin of its score
+    over the next span's (inf where there is no other)."""
     real = mask.astype(bool)
     start = np.where(real, start.astype(np.float64), -np.inf)
     end = np.where(real, end.astype(np.float64), -np.inf)
@@ -91,7 +92,10 @@ def best_spans(start: np.ndarray, end: np.ndarray, mask: np.ndarray, max_length:
     allowed = (positions[None, :] >= positions[:, None]) & (positions[None, :] < positions[:, None] + max_length)
     scores = np.where(allowed[None], scores, -np.inf).reshape(len(start), -1)
     best = scores.argmax(axis=1)
-    return np.stack([best // start.shape[1], best % start.shape[1]], axis=1)
+    ordered = np.sort(scores, axis=1)
+    with np.errstate(invalid="ignore"):  # no other span: the next scores -inf
+        margin = np.nan_to_num(ordered[:, -1] - ordered[:, -2], nan=np.inf) if scores.shape[1] > 1 else np.full(len(scores), np.inf)
+    return np.stack([best // start.shape[1], best % start.shape[1], margin], axis=1)
 
 
 def choices(logits: np.ndarray) -> np.ndarray:
@@ -102,20 +106,15 @@ def choices(logits: np.ndarray) -> np.ndarray:
     return np.stack([logits.argmax(axis=-1).astype(np.float64), margin], axis=1)
 
 
-def _agreement(what: str):
+def _agreement(what: str, logits: int):
     def metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float) -> list[Metric]:
-        """``got``/``want``: ``choices`` rows. A row whose fp32 top two lie within ``tie`` (the
-        dtype's max-abs tolerance, which already lets each move that far) may pick either: only a
-        choice fp32 makes by more counts."""
-        same = (got[:, 0] == want[:, 0]) | (want[:, 1] <= 2 * tie)
+        """``got``/``want``: rows of a choice, then the margin fp32 made it by (its last column).
+        A choice fp32 makes by no more than its own rounding could move (``tie``: each of the
+        ``logits`` summed into a score may move that far) may go either way; every other counts."""
+        same = (got[:, :-1] == want[:, :-1]).all(axis=1) | (want[:, -1] <= 2 * logits * tie)
         return [Metric("agreement", float(same.mean()) if len(want) else None, bars["agreement"], what)]
 
     return metrics
-
-
-def _span_metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float) -> list[Metric]:
-    same = (got == want).all(axis=1)
-    return [Metric("agreement", float(same.mean()), bars["agreement"], "the share of questions given fp32's answer span")]
 
 
 @dataclass(frozen=True)
@@ -132,8 +131,9 @@ class HeadKind:
 HEAD_KINDS = {
     "embedding": HeadKind(lambda outputs, mask: mean_pooled(outputs[0], mask),
                           lambda got, want, bars, tie: embedding_metrics(got, want, bars)),
-    "label": HeadKind(lambda outputs, mask: choices(outputs[0]), _agreement("the share of texts given fp32's label")),
+    "label": HeadKind(lambda outputs, mask: choices(outputs[0]), _agreement("the share of texts given fp32's label", 1)),
     "tag": HeadKind(lambda outputs, mask: choices(outputs[0][mask.astype(bool)]),
-                    _agreement("the share of tokens given fp32's tag (or top-1 token)")),
-    "span": HeadKind(lambda outputs, mask: best_spans(outputs[0], outputs[1], mask), _span_metrics),
+                    _agreement("the share of tokens given fp32's tag (or top-1 token)", 1)),
+    "span": HeadKind(lambda outputs, mask: best_spans(outputs[0], outputs[1], mask),
+                     _agreement("the share of questions given fp32's answer span", 2)),
 }

@@ -24,7 +24,7 @@ DEFAULT_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat
 # measures (~2e-5 on bert-tiny); this bound only catches a broken approximation.
 FAST_MATH_TOLERANCE = 1e-2
 # --reduce-range's 7-bit weights: all-MiniLM-L6-v2 measures 5.2 (8-bit: 0.23). A broken build's
-# bound only, as int8's: the accuracy bars gate it; a label's tie margin stays int8's.
+# bound only, as int8's: the accuracy bars gate it.
 REDUCED_RANGE_TOLERANCE = 10.0
 # What each head's users compare with fp32 (core/accuracy.py), the least value that passes, by
 # dtype. fp32 and fp64 are held to the max abs diff already; their bars only catch a metric gone
@@ -101,9 +101,12 @@ def verify(job: Job) -> VerifyResult:
     if not job.target.device_present():
         raise ToolchainError(f"verify runs the model: this machine has no {job.target.kind} device (the build itself is at {built.path})")
     options = job.config.verify
-    # The margin within which a label may move (accuracy.py's tie), and the max abs diff allowed.
-    tie = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
-    tolerance = max(tie, REDUCED_RANGE_TOLERANCE) if job.config.reduce_range and not options.tolerance else tie
+    # The max abs diff allowed, and the margin within which fp32's own choice of a label is a tie
+    # (accuracy.py): its rounding's, not the build's tolerance: int8's 1.0 would forgive every flip int8 makes.
+    tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
+    if job.config.reduce_range and not options.tolerance:
+        tolerance = max(tolerance, REDUCED_RANGE_TOLERANCE)
+    tie = min(tolerance, DEFAULT_TOLERANCE["float32"])
     reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     compiled = CompiledModel(built, job)
     names = reference.output_names
