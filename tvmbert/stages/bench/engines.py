@@ -154,8 +154,10 @@ def export_onnx(job: Job, path, sample, dynamic_shapes=None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
         tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
-        torch.onnx.export(model, tuple(sample), str(tmp), input_names=list(job.source.inputs), output_names=list(model.output_names),
-                          dynamic_shapes=dynamic_shapes, dynamo=True, optimize=True, verbose=False)
+        with _quiet():  # its exporter logs a warning for each torchvision op it cannot register (torchvision is not installed)
+            torch.onnx.export(model, tuple(sample), str(tmp), input_names=list(job.source.inputs),
+                              output_names=list(model.output_names), dynamic_shapes=dynamic_shapes, dynamo=True, optimize=True,
+                              verbose=False)
         tmp.replace(path)
 
 
@@ -176,7 +178,7 @@ def onnxruntime_engine(job: Job, inputs, threads: int) -> Engine:
 
 @contextlib.contextmanager
 def _quiet():
-    """A peer's own quantization tool, silenced: its stdout (progress bars) and its logged warnings."""
+    """A peer's own tool (the ONNX exporter, a quantizer), silenced: its stdout (progress bars) and its logged warnings."""
     import logging
 
     previous = logging.root.manager.disable
