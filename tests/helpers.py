@@ -35,6 +35,10 @@ OTHER_CPU = _first_cpu(("skylake-avx512", "haswell", "x86-64-v3"), runnable=True
 UNRUNNABLE_CPU = _first_cpu(("sapphirerapids", "znver5", "skylake-avx512"), runnable=False)
 HOST_AMX = HOST_TARGET.has_amx_bf16  # --dtype bfloat16 builds for this CPU (refused without AMX-BF16, or where this process cannot have AMX)
 HOST_AMX_INT8 = HOST_TARGET.has_amx_int8  # --dtype int8's weight matmuls run on AMX here
+if HOST_AMX or HOST_AMX_INT8:  # tests that call an AMX kernel themselves, not through the loader, need it too
+    from tvmbert.deploy.loader import request_amx_permission
+
+    request_amx_permission()
 # The instruction this CPU's int8 weight matmuls run on (kernels/int8.py, kernels/amx.py).
 HOST_INT8_INSTRUCTION = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else HOST_TARGET.int8_instruction
 # bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.

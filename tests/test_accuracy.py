@@ -46,7 +46,7 @@ def test_too_few_rows_give_no_rank_correlation_rather_than_a_meaningless_one():
     assert spearman.value is None and spearman.passed
 
 
-def test_a_label_flip_counts_unless_fp32_itself_was_within_the_tolerance():
+def test_a_label_flip_counts_unless_fp32_itself_chose_within_the_tie():
     want = np.array([[0.0, 1.0], [0.0, 1e-6], [2.0, 0.0]])
     got = np.array([[1.0, 0.0], [1e-6, 0.0], [2.0, 0.0]])  # rows 0 and 1 flipped; row 1 was a tie
     label = accuracy.HEAD_KINDS["label"]
@@ -63,10 +63,20 @@ def test_the_best_span_lies_on_real_tokens_and_ends_after_it_starts():
     # The next best, (0, 0) and (1, 1), score 3: fp32 chose by 2.
     assert accuracy.best_spans(start, end, mask).tolist() == [[2, 2, 2.0]]
     assert accuracy.best_spans(start[:, :1], end[:, :1], mask[:, :1]).tolist() == [[0, 0, np.inf]]  # the only span
+    assert accuracy.best_spans(start, end, np.array([[1, 0, 0, 0]])).tolist() == [[0, 0, np.inf]]  # one real token
 
 
-def test_a_span_flip_counts_unless_fp32_chose_within_its_own_rounding():
-    """int8's max-abs tolerance (1.0) must not excuse a flip: fp32's ties are its rounding's only."""
+def test_reduced_precisions_tie_within_fp32s_rounding_not_their_tolerance():
+    """int8's max-abs tolerance (1.0) must not excuse a flip; an fp32 build's holds each logit that close."""
+    from tvmbert.stages.verify import DEFAULT_TOLERANCE, agreement_tie
+
+    for dtype in ("int8", "float16", "bfloat16"):
+        assert agreement_tie(dtype, DEFAULT_TOLERANCE[dtype]) == 1e-4
+    assert agreement_tie("int8", 1e-6) == 1e-6 and agreement_tie("float32", 1e-2) == 1e-2
+    assert agreement_tie("float64", DEFAULT_TOLERANCE["float64"]) == 1e-10
+
+
+def test_a_span_flip_counts_unless_fp32_chose_within_the_tie():
     span = accuracy.HEAD_KINDS["span"]
     mask = np.ones((3, 3))
     # Start and end logits alike: (i, i) scores twice token i's. fp32 chose row 0 by 3 and row 1 by 1e-5.

@@ -66,7 +66,8 @@ def test_an_amx_cpu_whose_tiles_this_process_cannot_have_builds_without_them(mon
 
 def test_amx_kernels_are_missing_where_this_process_cannot_have_amx(monkeypatch):
     """Whether the CPU, the kernel and the VM grant AMX is asked without requesting it."""
-    assert targets.host_grants_amx() in (True, False)
+    if targets.host_flags():
+        assert targets.host_grants_amx() <= ("amx_tile" in targets.host_flags())  # never where Linux shows no AMX
     config = {"kind": "llvm", "mcpu": "x86-64"}
     monkeypatch.setattr(targets, "host_grants_amx", lambda: False)
     assert targets.missing_host_features(config) == []

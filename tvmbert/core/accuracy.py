@@ -1,8 +1,8 @@
 """What a user of each head compares between a build and fp32 PyTorch, beyond the largest
 difference: sentence embeddings by their cosine and by how they rank each other's similarity;
 labels, tags and answer spans by agreement with fp32's choice. NumPy only. Each head kind
-reduces one input's outputs to the rows its metrics compare (an embedding, a choice and its
-margin, a span), so that a caller keeps those, not every logit of every input."""
+reduces one input's outputs to the rows its metrics compare (an embedding; a label, tag or span
+with the margin fp32's scores chose it by), so that a caller keeps those, not every logit of every input."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def best_spans(start: np.ndarray, end: np.ndarray, mask: np.ndarray, max_length:
     best = scores.argmax(axis=1)
     ordered = np.sort(scores, axis=1)
     with np.errstate(invalid="ignore"):  # no other span: the next scores -inf
-        margin = np.nan_to_num(ordered[:, -1] - ordered[:, -2], nan=np.inf) if scores.shape[1] > 1 else np.full(len(scores), np.inf)
+        margin = np.nan_to_num(ordered[:, -1] - ordered[:, -2], nan=np.inf, posinf=np.inf) if scores.shape[1] > 1 else np.full(len(scores), np.inf)
     return np.stack([best // start.shape[1], best % start.shape[1], margin], axis=1)
 
 
@@ -109,8 +109,8 @@ def choices(logits: np.ndarray) -> np.ndarray:
 def _agreement(what: str, logits: int):
     def metrics(got: np.ndarray, want: np.ndarray, bars: dict[str, float], tie: float) -> list[Metric]:
         """``got``/``want``: rows of a choice, then the margin fp32 made it by (its last column).
-        A choice fp32 makes by no more than its own rounding could move (``tie``: each of the
-        ``logits`` summed into a score may move that far) may go either way; every other counts."""
+        A choice fp32 makes by no more than ``tie`` could move it (each of the ``logits`` summed
+        into a score moving that far, the runner-up's too) may go either way; every other counts."""
         same = (got[:, :-1] == want[:, :-1]).all(axis=1) | (want[:, -1] <= 2 * logits * tie)
         return [Metric("agreement", float(same.mean()) if len(want) else None, bars["agreement"], what)]
 
@@ -121,7 +121,7 @@ def _agreement(what: str, logits: int):
 class HeadKind:
     """What a head's users compare: ``rows`` reduces one input's outputs (and its attention mask)
     to the rows compared; ``metrics`` compares a build's rows with fp32's (bars by metric name,
-    ``tie`` the dtype's max-abs tolerance)."""
+    ``tie`` how far each logit may move without a changed choice counting: verify.agreement_tie)."""
 
     rows: Callable[[list[np.ndarray], np.ndarray], np.ndarray]
     metrics: Callable[[np.ndarray, np.ndarray, dict[str, float], float], list[Metric]]

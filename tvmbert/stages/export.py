@@ -143,7 +143,11 @@ def _variant_jobs(job: Job, cpus: tuple[str, ...]) -> list[Job]:
         else:
             mcpu = name.removeprefix("llvm-")
             variant = Job(replace(job.config, target=f"llvm -mcpu={mcpu}"), no_deps=job.no_deps, say=job.say)
-        found.setdefault(variant.target.key, variant)
+        taken = found.setdefault(variant.target.key, variant)
+        if taken.target.config != variant.target.config:  # this CPU's AMX withheld, and the same CPU named with it
+            raise InputError(f"--cpus: '{name}' and an earlier entry both build for {variant.target.key}, one as "
+                             f"'{targets.describe_config(taken.target.config)}', the other as "
+                             f"'{targets.describe_config(variant.target.config)}': a package holds one build per CPU; name one")
     if not found:
         raise InputError("--cpus names no CPU: give native and/or LLVM CPU names, e.g. native,x86-64-v3")
     return list(found.values())

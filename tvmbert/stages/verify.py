@@ -94,6 +94,14 @@ def sample_inputs(job: Job, count: int) -> list[tuple]:
     return samples
 
 
+def agreement_tie(dtype: str, tolerance: float) -> float:
+    """How far each logit may move, within which fp32's own choice of a label, tag or span is a
+    tie (accuracy.py): an fp32 or fp64 build's max-abs tolerance, since it holds each logit that
+    close; for reduced precisions at most fp32's own (1e-4), since their tolerance bounds a broken
+    build only: int8's 1.0 would excuse nearly every flip int8 makes."""
+    return tolerance if dtype in ("float32", "float64") else min(tolerance, DEFAULT_TOLERANCE["float32"])
+
+
 def verify(job: Job) -> VerifyResult:
     import torch
 
@@ -101,12 +109,10 @@ def verify(job: Job) -> VerifyResult:
     if not job.target.device_present():
         raise ToolchainError(f"verify runs the model: this machine has no {job.target.kind} device (the build itself is at {built.path})")
     options = job.config.verify
-    # The max abs diff allowed, and the margin within which fp32's own choice of a label is a tie
-    # (accuracy.py): its rounding's, not the build's tolerance: int8's 1.0 would forgive every flip int8 makes.
     tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
     if job.config.reduce_range and not options.tolerance:
         tolerance = max(tolerance, REDUCED_RANGE_TOLERANCE)
-    tie = min(tolerance, DEFAULT_TOLERANCE["float32"])
+    tie = agreement_tie(job.config.dtype, tolerance)
     reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     compiled = CompiledModel(built, job)
     names = reference.output_names
