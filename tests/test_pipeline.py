@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from tvmbert import InputError
 
 from helpers import HOST_AMX, REPO, WITHOUT_KERNELS
 
@@ -110,6 +113,26 @@ def test_python_api(workdir):
 
     artifact = optimize(Job(JobConfig(model="bert-tiny", workdir=str(workdir))))
     assert artifact.meta["ops_before"]["matmul"] == 17
+
+
+def test_an_id_past_the_vocabulary_reads_nan_in_the_library_not_another_tensors_bytes(tmp_path, capfd):
+    """TVM's importer looks the embeddings up in "fast" mode, which reads outside the table (and
+    warns so at every build); the ids are checked before each call, and the library stays in
+    bounds for a caller that skips the checks."""
+    import tvm
+
+    from tvmbert import Job, JobConfig, build
+    from tvmbert.deploy.compiled import CompiledModel
+
+    job = Job(JobConfig(model="bert-tiny", workdir=str(tmp_path)))
+    compiled = CompiledModel(build(job), job)
+    assert "segfault" not in capfd.readouterr().err
+    ids, mask, segments = (np.ascontiguousarray(t.numpy()) for t in job.inputs.as_tuple())
+    ids[0, 3] = 30522  # one past bert-tiny's vocabulary
+    with pytest.raises(InputError, match="input_ids"):
+        compiled([ids, mask, segments])
+    hidden = compiled.run_on_device([tvm.runtime.tensor(a) for a in (ids, mask, segments)])[0].numpy()
+    assert np.isnan(hidden[0, 3]).all()
 
 
 def test_combine_qkv_removes_two_matmuls_per_layer(tvmbert):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.errors import StageFailed
 from tvmbert.deploy.weights import PARAMS_FILE, save_params
-from tvmbert.frontend.conversions import dtype_preserving_matmuls
+from tvmbert.frontend.conversions import bounded_takes, dtype_preserving_matmuls
 from tvmbert.ir.files import PROGRAM_FILE, save_module
 from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
@@ -28,7 +28,7 @@ def convert(job: Job, force: bool = False) -> Artifact:
                                        custom_convert_map=dtype_preserving_matmuls())
     except Exception as exc:
         raise StageFailed(f"Relax import failed: {str(exc).splitlines()[0]}") from exc
-    module, params = relax.frontend.detach_params(module)
+    module, params = relax.frontend.detach_params(bounded_takes()(module))
     # num_input tells Relax passes which parameters are user inputs and which are weights.
     inputs = len(traced.meta["inputs"])
     module["main"] = module["main"].with_attr("num_input", inputs)
