@@ -25,25 +25,3 @@ def dtype_preserving_matmuls() -> dict:
         return emit(relax.op.add(bias, product)) if beta != 0 else product
 
     return {"matmul.default": matmul, "mm.default": matmul, "bmm.default": matmul, "addmm.default": addmm}
-
-
-def bounded_takes():
-    """A module pass: TVM 0.27's importer emits every table lookup (the embeddings, ``x[:, 0]``) as
-    take in "fast" mode, which reads outside the table for an index past its end (a crash, or
-    another tensor's bytes) and warns so at every build. These read NaN there from a float table,
-    else its nearest row: one compare per index. Callers check the ids first anyway
-    (``deploy/inputs.check_range``); this keeps the library itself in bounds."""
-    from tvm import relax
-
-    from tvmbert.passes.rewriters import call_rewrite_pass
-
-    take = relax.op.take(relax.Var("x", relax.TensorType(ndim=1)), relax.Var("i", relax.TensorType(ndim=1))).op
-
-    def bounded(_builder, call):
-        if call.op != take or call.attrs.mode != "fast":
-            return call
-        table = call.args[0]
-        mode = "nan" if str(table.ty.dtype).startswith(("float", "bfloat")) else "clip"
-        return relax.op.take(table, call.args[1], call.attrs.axis, mode=mode)
-
-    return call_rewrite_pass("BoundedTakes", bounded)

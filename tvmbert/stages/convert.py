@@ -5,8 +5,9 @@ from __future__ import annotations
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.errors import StageFailed
 from tvmbert.deploy.weights import PARAMS_FILE, save_params
-from tvmbert.frontend.conversions import bounded_takes, dtype_preserving_matmuls
+from tvmbert.frontend.conversions import dtype_preserving_matmuls
 from tvmbert.ir.files import PROGRAM_FILE, save_module
+from tvmbert.passes.bounded_takes import bounded_takes
 from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
 from tvmbert.stages.trace import trace
