@@ -310,18 +310,11 @@ def resolve(text: str) -> TargetSpec:
         _check_llvm_cpu(text, config, facts.llvm_triple)
     if kind == "llvm" and config.get("mattr"):
         _check_llvm_features(text, config)
-    amx_withheld = host_cpu and not host_grants_amx() and _has_amx(config)
-    if amx_withheld:
-        config["mattr"] = [*config.get("mattr", ()), f"-{AMX_TILE}"]
-    return TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]), amx_withheld=amx_withheld)
-
-
-def _has_amx(config: dict) -> bool:
-    """Whether LLVM gives code for this llvm target AMX (its CPU's, unless -mattr takes it away)."""
-    import tvm
-    from tvm.target import codegen
-
-    return AMX_TILE in {str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))}
+    spec = TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]))
+    if host_cpu and not host_grants_amx() and spec.has_features(AMX_TILE):
+        return TargetSpec(text=text, config={**config, "mattr": [*config.get("mattr", ()), f"-{AMX_TILE}"]}, key=spec.key,
+                          amx_withheld=True)
+    return spec
 
 
 def _check_llvm_cpu(text: str, config: dict, default_triple: Callable[[], str]) -> None:

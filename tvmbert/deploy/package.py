@@ -127,9 +127,10 @@ class ExportedModel:
             variants = [v for v in variants if v["target_key"] == wanted]
             if not variants:
                 raise PackageError(f"{self.path} has no build for {wanted}: it has {_keys(variants_of(self.manifest))}")
-        runnable = [v for v in variants if not _missing(v)]
+        lacking = [missing_for(v) for v in variants]
+        runnable = [v for v, missing in zip(variants, lacking) if not missing]
         if not runnable:
-            missing = "; ".join(f"{v['target_key']}: {', '.join(_missing(v))}{amx_note(_missing(v))}" for v in variants)
+            missing = "; ".join(f"{v['target_key']}: {', '.join(m)}{amx_note(m)}" for v, m in zip(variants, lacking))
             raise PackageError(f"{self.path} holds builds for {_keys(variants)} only, and this CPU ({here.key}) lacks instruction "
                                f"sets each uses ({missing}): running one would kill the process. Export it with a variant for "
                                f"this CPU (tvmbert export --cpus native,...)")
@@ -363,7 +364,7 @@ def variants_of(manifest: dict) -> list[dict]:
     return [{key: manifest.get(key) for key in ("target", "target_key", "buckets", "amx_kernels")}]
 
 
-def _missing(variant: dict) -> list[str]:
+def missing_for(variant: dict) -> list[str]:
     """What this CPU lacks of what a variant's code uses (its AMX kernels' tile state too)."""
     return targets.missing_host_features(variant["target"], bool(variant.get("amx_kernels")))
 

@@ -34,6 +34,7 @@ from tvmbert.deploy.package import (
     PACKED_FORMAT,
     VARIANTS_FORMAT,
     load,
+    missing_for,
     sha256,
     variants_of,
     write_manifest,
@@ -285,7 +286,7 @@ def _time_buckets(folder: Path, manifest: dict) -> None:
     buckets within a build: their ratios carry)."""
     timed: dict[tuple, float] = {}
     for variant in variants_of(manifest):
-        if targets.missing_host_features(variant["target"], bool(variant.get("amx_kernels"))):
+        if missing_for(variant):
             continue
         model = load(folder, warn=lambda message: None, variant=variant["target_key"])
         for index, bucket in enumerate(variant["buckets"]):
