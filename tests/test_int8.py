@@ -16,7 +16,6 @@ from tvmbert.stages.bench.engines import check_tolerance, default_engines
 from tvmbert.stages.bench.inference import engine_dtypes
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
-from tvmbert.stages.verify import REDUCED_RANGE_TOLERANCE
 
 from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta
 
@@ -32,9 +31,9 @@ def emulated_quads(acc, row_word, weights, lanes):
     return acc
 
 
-# The kernel with each dot product: VNNI's layout, offset rows and column starts run on every host
-# with the instruction emulated; the instruction itself where this CPU has it (else compiled below).
-DOTS = {"vpmaddwd": int8.DOT_PRODUCTS["vpmaddwd"], "vpmaddubsw": int8.DOT_PRODUCTS["vpmaddubsw"],
+# The kernel with each dot product: VNNI's arithmetic runs on every host emulated; the instruction
+# itself where this CPU has it (else compiled below).
+DOTS = {"vpmaddubsw": int8.DOT_PRODUCTS["vpmaddubsw"],
         "vpdpbusd-emulated": dataclasses.replace(int8.DOT_PRODUCTS["vpdpbusd"], accumulate=emulated_quads)}
 if HOST_TARGET.int8_instruction == "vpdpbusd":
     DOTS["vpdpbusd"] = int8.DOT_PRODUCTS["vpdpbusd"]
@@ -47,43 +46,68 @@ def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(x * inverse[..., None]).astype(np.int16), (top / np.float32(int8.LEVELS)).astype(np.float32)
 
 
-def weight_layout(wq: np.ndarray, width: int, depth: int) -> np.ndarray:
+def quantized_weight(w: np.ndarray, dot) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy model of the weights' quantization (passes/int8_matmuls.quantized_weight):
+    per column, max |w| -> 127, and where ``dot`` sums pairs in int16, |w0 + w1| -> at most
+    ``dot.pair_levels``."""
+    sw = (np.abs(w).max(0) / np.float32(int8.LEVELS)).astype(np.float32)
+    if dot.pair_levels:
+        pair_sums = w.reshape(w.shape[0] // 2, 2, -1).sum(1)
+        sw = np.maximum(sw, (np.abs(pair_sums).max(0) / np.float32(dot.pair_levels)).astype(np.float32))
+    return np.clip(np.rint(w / sw), -int8.LEVELS, int8.LEVELS).astype(np.int8), sw
+
+
+def weight_layout(wq: np.ndarray, width: int) -> np.ndarray:
     k, n = wq.shape
+    depth = int8.DEPTH
     steps = wq.reshape(k // depth, depth, n // width, width).transpose(2, 0, 3, 1)
     return np.ascontiguousarray(steps.reshape(n // width, k // depth, width * depth))
+
+
+def pair_sums(laid_out: np.ndarray) -> np.ndarray:
+    """Each lane's adjacent weights summed, as ``vpmaddubsw`` sums their products in int16."""
+    return laid_out.astype(np.int32).reshape(-1, 2).sum(1)
 
 
 def check_against_numpy(library, dot, lead, n, k, activation, residual, width, rows=None):
     """Runs ``library``'s ``quantize`` (into ``rows`` rows where given) and ``matmul`` (weights in
     panels ``width`` wide) on random data and checks them against the NumPy model: the quantized
     rows and scales equal, the int32 sums exact (the output within float32's rounding of the
-    dequantization), and the result near fp32's."""
+    dequantization), and the result near fp32's. The first row and the first two columns hold the
+    worst case of ``vpmaddubsw``'s int16 pair sums: rows at 255 times two weights at the column's
+    largest, of one sign (the pairs' bound keeps them within 32767)."""
     import tvm
 
     m = int(np.prod(lead))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((*lead, k), dtype=np.float32) * 4
     x[0] = 0  # a row of zeros: scale 0, no division by it
+    x[1, :2] = np.abs(x[1]).max()
     w = rng.standard_normal((k, n), dtype=np.float32)
+    w[:2, 0], w[:2, 1] = np.abs(w[:, 0]).max(), -np.abs(w[:, 1]).max()
     b = rng.standard_normal(n, dtype=np.float32)
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
-    sw = (np.abs(w).max(0) / dot.weight_levels).astype(np.float32)
-    wq = np.clip(np.rint(w / sw), -dot.weight_levels, dot.weight_levels).astype(np.int8)  # every column reaches them
+    wq, sw = quantized_weight(w, dot)
+    laid_out = weight_layout(wq, width)
+    if dot.pair_levels:
+        assert np.abs(pair_sums(laid_out)).max() == 128  # the first two columns' pairs at the bound
+    else:
+        assert (np.abs(wq).max(0) == int8.LEVELS).all()
 
-    xq = tvm.runtime.tensor(np.full((rows, k) if rows else (*lead, k), 7, dot.rows_dtype))
+    xq = tvm.runtime.tensor(np.full((rows, k) if rows else (*lead, k), 7, int8.ROWS_DTYPE))
     sx = tvm.runtime.tensor(np.zeros(m, "float32"))
     library["quantize"](tvm.runtime.tensor(x), xq, sx)
     want_xq, want_sx = quantized_rows(x)
-    want_stored = (want_xq + dot.offset).astype(dot.rows_dtype)
+    want_stored = (want_xq + int8.ROW_OFFSET).astype(int8.ROWS_DTYPE)
     if rows:  # the padding rows zeros, as the offset stores them
-        want_stored = np.concatenate([want_stored.reshape(m, k), np.full((rows - m, k), dot.offset, dot.rows_dtype)])
+        want_stored = np.concatenate([want_stored.reshape(m, k), np.full((rows - m, k), int8.ROW_OFFSET, int8.ROWS_DTYPE)])
     np.testing.assert_array_equal(xq.numpy(), want_stored)
     np.testing.assert_array_equal(sx.numpy(), want_sx.reshape(-1))
     assert np.abs(want_xq).max() == int8.LEVELS
 
     y = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
-    start = (-dot.offset * wq.astype(np.int32).sum(0)).astype(np.int32) if dot.offset else np.zeros(1, np.int32)
-    library["matmul"](xq, sx, *(tvm.runtime.tensor(a) for a in (weight_layout(wq, width, dot.depth), start, sw, b, r)), y)
+    start = (-int8.ROW_OFFSET * wq.astype(np.int32).sum(0)).astype(np.int32)
+    library["matmul"](xq, sx, *(tvm.runtime.tensor(a) for a in (laid_out, start, sw, b, r)), y)
     sums = want_xq.reshape(m, k).astype(np.int64) @ wq.astype(np.int64)  # what the int32 lanes must hold, exactly
     expected = (sums.astype(np.float32) * (want_sx.reshape(m, 1) * sw) + b).reshape(*lead, n).astype(np.float64)
     if activation:
@@ -116,8 +140,8 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
     if int8.tile(n, lanes) is None:
         pytest.skip("N is not a multiple of the lanes")
     m = int(np.prod(lead))
-    module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead, dot).with_attr("global_symbol", "quantize"),
-                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot).with_attr("global_symbol", "matmul")})
+    module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead).with_attr("global_symbol", "quantize"),
+                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot=dot).with_attr("global_symbol", "matmul")})
     rows, vectors = int8.tile(n, lanes)
     check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, vectors * lanes)
 
@@ -138,30 +162,26 @@ def test_amx_int8_kernel_sums_exactly_what_numpy_sums(lead, n, k, activation, re
     rows = amx.padded_rows(m)
     dot = int8.DOT_PRODUCTS["vpdpbusd"]  # AMX's rows and weights as VNNI's
     module = tvm.IRModule({
-        "quantize": int8.quantize_rows_kernel(m, k, HOST_TARGET.int8_lanes, lead, dot, rows).with_attr("global_symbol", "quantize"),
+        "quantize": int8.quantize_rows_kernel(m, k, HOST_TARGET.int8_lanes, lead, rows).with_attr("global_symbol", "quantize"),
         "matmul": amx.int8_kernel(m, n, k, lead, activation, residual, row_chunk_bytes=5 * 32 * k).with_attr("global_symbol", "matmul")})
     check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, amx.TILE, rows)
 
 
-@pytest.mark.parametrize("mcpu, reduce_range, instruction, register", [
-    ("skylake-avx512", False, "vpmaddwd", "zmm"),  # AVX-512 without VNNI
-    ("skylake-avx512", True, "vpmaddubsw", "zmm"),
-    ("znver4", False, "vpdpbusd", "zmm"),  # AVX512-VNNI
-    ("znver4", True, "vpdpbusd", "zmm"),
-    ("sapphirerapids", False, "vpdpbusd", "zmm"),
-    ("alderlake", False, "vpdpbusd", "ymm"),  # AVX-VNNI without AVX-512
-    ("haswell", False, "vpmaddwd", "ymm"),
-    ("haswell", True, "vpmaddubsw", "ymm"),
+@pytest.mark.parametrize("mcpu, instruction, register", [
+    ("skylake-avx512", "vpmaddubsw", "zmm"),  # AVX-512 without VNNI
+    ("znver4", "vpdpbusd", "zmm"),  # AVX512-VNNI
+    ("sapphirerapids", "vpdpbusd", "zmm"),
+    ("alderlake", "vpdpbusd", "ymm"),  # AVX-VNNI without AVX-512
+    ("haswell", "vpmaddubsw", "ymm"),
 ])
-def test_each_target_gets_the_widest_dot_product_it_has(mcpu, reduce_range, instruction, register):
-    """Only compiled: this host may lack them. With 7-bit weights (--reduce-range), a CPU without
-    VNNI multiplies bytes (vpmaddubsw), which would saturate with 8-bit ones."""
+def test_each_target_gets_the_widest_dot_product_it_has(mcpu, instruction, register):
+    """Only compiled: this host may lack them."""
     import tvm
 
     from tvmbert.core.targets import resolve
 
     spec = resolve(f"llvm -mcpu={mcpu}")
-    dot = int8.dot_product(spec.int8_instruction, reduce_range)
+    dot = int8.DOT_PRODUCTS[spec.int8_instruction]
     assert dot.instruction == instruction
     module = tvm.IRModule({"main": int8.kernel(14, 96, 64, spec.int8_lanes, activation="relax.nn.gelu", dot=dot)})
     assembly = tvm.tirx.build(module, target=spec.tvm_target()).inspect_source("asm")
@@ -183,8 +203,6 @@ def test_bert_tiny_in_int8_builds_verifies_and_keeps_the_rest_fp32(tvmbert, work
     assert len(meta["int8_kernels"]) == 5 and meta["int8_quantize_kernels"] and "fma_kernels" not in meta
     assert meta["layer_norm_kernels"]  # fp32, as in a float32 build
     assert meta["int8_instructions"][HOST_INT8_INSTRUCTION] > 0
-    # where the exact route is the slow one (no VNNI), build says what would be faster
-    assert ("--reduce-range" in outcome.stderr) == (HOST_TARGET.int8_instruction == "vpmaddwd")
 
 
 @pytest.mark.simd
@@ -209,23 +227,24 @@ def test_bert_tiny_in_int8_the_vnni_way_verifies_with_the_instruction_emulated(t
 
 
 @pytest.mark.simd
-def test_reduce_range_builds_int8_with_7_bit_weights_and_verifies(tvmbert, workdir):
-    outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--reduce-range", "--batch", "2", "--seq-len", "10", "--json")
+def test_without_vnni_the_weights_pairs_stay_within_vpmaddubsws_int16_sums(tvmbert, workdir):
+    """Haswell's route, on every host with AVX2: its weights keep 8 bits, and no two a lane sums
+    in int16 pass 128 (rows up to 255: 32640 at most). verify checks the sums' results."""
+    haswell = "llvm -mcpu=haswell"
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--batch", "2", "--seq-len", "10", "--json", "--target", haswell)
     assert outcome.code == 0, outcome.stderr
-    assert outcome.json["passed"] and outcome.json["reduce_range"] is True and "--reduce-range" not in outcome.stderr
-    assert 1e-4 < outcome.json["max_abs_diff"] < 0.05
+    assert outcome.json["passed"] and 1e-4 < outcome.json["max_abs_diff"] < 0.05
     assert {m["name"]: m["value"] for m in outcome.json["accuracy"]}["cosine_min"] > 0.999
-    instruction = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else int8.dot_product(HOST_TARGET.int8_instruction, True).instruction
-    key = "b2-s10-int8-reducerange"
-    meta = build_meta(workdir, key)
-    assert len(meta["int8_kernels"]) == 5 and meta["int8_instructions"][instruction] > 0
-    with np.load(workdir / "bert-tiny" / key / HOST_TARGET.key / "build" / "params.npz") as params:
+    meta = build_meta(workdir, "b2-s10-int8", target=haswell)
+    assert len(meta["int8_kernels"]) == 5 and meta["int8_instructions"]["vpmaddubsw"] > 0
+    assert meta["int8_instructions"]["vpdpbusd"] == 0
+    from tvmbert.core.targets import resolve
+
+    with np.load(workdir / "bert-tiny" / "b2-s10-int8" / resolve(haswell).key / "build" / "params.npz") as params:
         weights = [params[name] for name in params.files if params[name].dtype == np.int8]
     assert len(weights) == 2 * 4 + 1  # two layers' Q/K/V, output, FFN in and out, and the pooler
-    assert max(int(np.abs(w).max()) for w in weights) == int8.REDUCED_LEVELS
-    for pointless in (["--reduce-range"], ["--dtype", "int8", "--reduce-range", "--disable", "int8-matmuls"]):
-        refused = tvmbert("build", "bert-tiny", *pointless)  # no int8 weights to reduce
-        assert refused.code == 2 and "reduce_range" in refused.stderr and "Traceback" not in refused.stderr
+    assert max(int(np.abs(w).max()) for w in weights) == int8.LEVELS  # 8 bits, where no pair binds
+    assert max(int(np.abs(pair_sums(w)).max()) for w in weights) in (127, 128)  # and where one does, at its bound
 
 
 def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert, workdir):
@@ -234,7 +253,7 @@ def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert,
     assert outcome.code == 0, outcome.stderr
     meta = build_meta(workdir, "b1-s14-int8", target="llvm -mcpu=znver4")
     assert len(meta["int8_kernels"]) == 5
-    assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddwd"] == 0
+    assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddubsw"] == 0
 
 
 def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert, workdir):
@@ -283,7 +302,7 @@ def test_a_matmul_amx_tiles_do_not_fit_stays_on_vpdpbusd():
             output = builder.emit_output(relax.Tuple([narrow, wide]))
         builder.emit_func_output(output)
     spec = resolve("llvm -mcpu=sapphirerapids")
-    module = int8_matmuls(spec.int8_lanes, spec.int8_instruction, False, spec.has_amx_int8)(builder.get())
+    module = int8_matmuls(spec.int8_lanes, spec.int8_instruction, spec.has_amx_int8)(builder.get())
     kernels = {gv.name_hint: f for gv, f in module.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
     on_amx = {name for name, f in kernels.items() if amx.KERNEL_ATTR in f.attrs}
     assert {name for name, f in kernels.items() if int8.KERNEL_ATTR in f.attrs} == {"int8_matmul_14x48x64", "int8_matmul_14x64x64"}
@@ -310,10 +329,7 @@ def test_the_int8_peers_run_for_int8_and_tvm_is_compared_with_them():
     assert {"ort-int8", "openvino-int8"} <= set(default_engines("int8"))
     assert not {"ort-int8", "openvino-int8"} & set(default_engines("float32"))
     assert check_tolerance("ort-int8", "float32") == check_tolerance("tvm", "int8")
-    for ours in ("tvm", "tvm-packed"):  # verify's bound, for 7-bit weights
-        assert check_tolerance(ours, "int8", reduce_range=True) == REDUCED_RANGE_TOLERANCE
-    assert "7-bit" in engine_dtypes("int8", ["tvm"], reduce_range=True)["tvm"]
-    assert "7-bit" not in engine_dtypes("int8", ["tvm"])["tvm"]
+    assert engine_dtypes("int8", ["tvm"])["tvm"].startswith("int8 weight matmuls")
     engines = {"tvm": {"median_ms": 5.0}, "onnxruntime": {"median_ms": 4.0}, "ort-int8": {"median_ms": 6.0},
                "openvino-int8": {"median_ms": 10.0}}
     assert _ratios(engines, "int8")["best_other"] == "ort-int8" and _ratios(engines, "int8")["ratio"] == pytest.approx(5 / 6, abs=1e-3)

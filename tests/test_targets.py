@@ -38,7 +38,7 @@ def test_mattr_takes_one_feature_or_a_list_and_the_kernels_follow_it():
     without_vnni = targets.resolve("llvm -mcpu=sapphirerapids -mattr=-amx-int8,-avx512vnni")
     assert without_amx.config["mattr"] == ["-amx-int8"] and without_vnni.config["mattr"] == ["-amx-int8", "-avx512vnni"]
     assert amx.has_amx_int8 and not without_amx.has_amx_int8 and without_amx.int8_instruction == "vpdpbusd"
-    assert without_vnni.int8_instruction == "vpmaddwd" and not without_vnni.has_amx_int8
+    assert without_vnni.int8_instruction == "vpmaddubsw" and not without_vnni.has_amx_int8
     assert not targets.resolve("llvm -mcpu=skylake-avx512 -mattr=+amx-int8").has_amx_int8  # AMX's rows are VNNI's
     for typo in ("-amx-int", "amx-int8", "", "+avx2,+notafeature"):  # LLVM would ignore them, with a warning only
         with pytest.raises(InputError, match="-mattr names no feature LLVM knows"):

@@ -37,9 +37,6 @@ def _common(func):
         click.option("--allow-random-weights", is_flag=True, default=None, help="Compile a directory that lacks some weights "
                      "(a head saved without its classifier) with those drawn from --seed, for experiments; every report says so."),
         click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
-        click.option("--reduce-range", is_flag=True, default=None, help="int8: 7-bit weights, as ONNX Runtime's reduce_range: "
-                     "on a CPU without VNNI the matmuls run 1.2-1.5x faster (vpmaddubsw), for some accuracy; with VNNI or AMX, no faster "
-                     "(README: int8)."),
         click.option("--disable", multiple=True, help="Leave a pass out of the pipeline, one the dtype or target adds "
                      "included (repeatable; names: tvmbert optimize --json)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
@@ -80,7 +77,7 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
     model = params.pop("model")
     flags = {
         "model": model,
-        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "reduce_range", "seed", "allow_random_weights", "target", "workdir",
+        **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "allow_random_weights", "target", "workdir",
                                       "log_dir")},
         "disable": tuple(params.pop("disable")) or None,
         **(overrides or {}),

@@ -92,7 +92,6 @@ class JobConfig:
     text: str | None = None
     dtype: str = "float32"
     fast_math: bool = False  # allow approximations (tanh GELU, fast exp/erf/softmax); exact by default
-    reduce_range: bool = False  # int8: 7-bit weights, as ONNX Runtime's reduce_range (faster on AVX2, less accurate)
     seed: int = 0
     allow_random_weights: bool = False  # a directory's missing weights drawn from seed (experiments), not refused
     target: str = "llvm"
@@ -114,9 +113,6 @@ class JobConfig:
         _require(self.tokens is None or self.tokens >= self.batch, where, "tokens", f"a number >= batch ({self.batch})")
         _require(self.text is None or bool(self.text.strip()), where, "text", "a text that is not empty")
         _require(self.dtype in DTYPE_NAMES, where, "dtype", f"one of {', '.join(DTYPE_NAMES)}")
-        _require(not self.reduce_range or self.dtype == "int8", where, "reduce_range", "off unless dtype is int8 (it sets the int8 weights' bits)")
-        _require(not self.reduce_range or "int8-matmuls" not in self.disable, where, "reduce_range",
-                 "off where disable lists int8-matmuls (the pass whose weights it sets)")
         _require(0 <= self.seed < 2**32, where, "seed", "a number in [0, 2**32)")
         unknown = [s for s in self.stages if s not in STAGES]
         _require(not unknown, where, "stages", f"stage names from {', '.join(STAGES)} (got {', '.join(unknown)})")

@@ -99,7 +99,7 @@ class TargetSpec:
 
     @cached_property
     def int8_lanes(self) -> int:
-        """int32 lanes of the int8 kernel's vectors: its ``vpmaddwd`` on 512 bits needs AVX512-BW
+        """int32 lanes of the int8 kernel's vectors: its ``vpmaddubsw`` on 512 bits needs AVX512-BW
         (an AVX512F-only CPU, Knights Landing, runs the 256-bit one), on 256 bits AVX2; 0 without
         (--dtype int8 is refused)."""
         if self.has_features("avx512bw"):
@@ -108,11 +108,11 @@ class TargetSpec:
 
     @cached_property
     def int8_instruction(self) -> str:
-        """The int8 kernel's dot product (``kernels/int8.py``'s DOT_PRODUCTS): ``vpdpbusd``, four
-        products a lane, where the target has VNNI at the kernel's width (AVX512-VNNI on 512 bits,
-        AVX-VNNI on 256), else ``vpmaddwd``, two."""
+        """The int8 kernel's dot product (``kernels/int8.py``'s DOT_PRODUCTS): ``vpdpbusd`` where
+        the target has VNNI at the kernel's width (AVX512-VNNI on 512 bits, AVX-VNNI on 256), else
+        ``vpmaddubsw`` (with ``vpmaddwd``), whose pairs of weights are bounded not to saturate."""
         vnni = "avx512vnni" if self.int8_lanes == 16 else "avxvnni"
-        return "vpdpbusd" if self.int8_lanes and self.has_features(vnni) else "vpmaddwd"
+        return "vpdpbusd" if self.int8_lanes and self.has_features(vnni) else "vpmaddubsw"
 
     @cached_property
     def has_amx_bf16(self) -> bool:

@@ -5,35 +5,34 @@ or residual add. The pass ``int8-matmuls`` (``passes/int8_matmuls.py``) calls th
 with AMX-INT8 ``kernels/amx.int8_kernel`` for the matmuls its tiles fit (``tdpbusd``: the rows,
 weights and columns' starts as for ``vpdpbusd`` below, 16 x 16 lanes at once).
 
-The vector kernel's dot products run on one of three instructions (``DOT_PRODUCTS``; ``dot_product`` picks by the
-target and the weights' bits):
+The vector kernel's dot products run on one of two instructions (``DOT_PRODUCTS``, by the target).
+Both take unsigned rows: the rows are quantized to symmetric levels (-127..127) and stored with
+128 added (1..255), and each column's accumulators start from ``-128 x sum_k Wq[k, n]`` (computed
+once at build time), which takes the offset back exactly. Both take the weights in quads, four k
+values a lane:
 
-- ``vpdpbusd`` (AVX512-VNNI on 512 bits, AVX-VNNI on 256): four u8 x s8 products summed into each
-  int32 lane, in place. Its row operand is unsigned: the rows are quantized to the same symmetric
-  levels, stored with 128 added (1..255), and each column's accumulators start from
-  ``-128 x sum_k Wq[k, n]`` (computed once at build time), which takes the offset back exactly.
-- ``vpmaddwd`` (AVX2, AVX-512 BW), where there is no VNNI: int16 pairs multiplied and summed into
-  int32 lanes, the int8 weights sign-extended to int16 on load (``vpmovsxbw``), the rows quantized
-  to int16. Exact, where ``pmaddubsw`` (u8 x s8, the route of ONNX Runtime's dynamic quantization
-  and of MetaSchedule's x86 intrinsics without VNNI) saturates its int16 sums of two products at
-  32767 and so needs 7-bit weights to stay exact.
-- ``vpmaddubsw`` then ``vpmaddwd`` by ones, with 7-bit weights (``--reduce-range``, as ONNX
-  Runtime's ``reduce_range``): the rows and the weights' layout as for ``vpdpbusd``, whose four
-  products a lane it computes in two instructions; an int16 sum of two products stays within
-  255 x 63 x 2 = 32130, so it never saturates. 1.24-1.55x the ``vpmaddwd`` kernel on Zen 3
-  (``benchmarks/int8_kernel.py``); the coarser weights cost accuracy (README: int8).
+- ``vpdpbusd`` (AVX512-VNNI on 512 bits, AVX-VNNI on 256): the four u8 x s8 products summed into
+  each int32 lane, in place.
+- ``vpmaddubsw`` then ``vpmaddwd`` by ones (AVX2, AVX-512 BW), where there is no VNNI: the same
+  four products a lane in two instructions, the first summing them in pairs in int16, which
+  saturates at 32767. Rows at 255 times two weights of 127 reach 64770, which is how ONNX
+  Runtime's AVX2 kernels (and MetaSchedule's x86 intrinsics without VNNI) go wrong. So here each
+  column's scale is bounded by its pairs as well (``DotProduct.pair_levels``): ``|Wq[2j, n] +
+  Wq[2j + 1, n]| <= 128``, and a pair's sum stays within 255 x 128 = 32640 (opposite signs: 255 x
+  127). The weights keep 8 bits; a column whose largest two share a pair loses up to one
+  (all-MiniLM-L6-v2's scales grow 1.29x on average; what it costs: README, int8). 1.24-1.55x the exact
+  route it replaced, ``vpmaddwd`` on int16 rows and sign-extended weights (two products a lane,
+  ``benchmarks/int8_kernel.py``).
 
 All are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
-44000). ``pmaddubsw``'s other fix, its unsigned operand made ``|row|`` and the weights given the
-row's sign (``vpsignb``), keeps 8-bit weights exact but costs as many instructions as ``vpmaddwd``:
-the same register-only rate (``benchmarks/int8_peak.c``), 0.95-0.98x in the kernel.
+44000).
 
 The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are bound by
-that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``depth`` rows of
-it: ``Wq[N / width, K / depth, width x depth]``.
+that) in panels as the FMA kernel keeps them (``kernels/fma.py``), each k step ``DEPTH`` rows of
+it: ``Wq[N / width, K / DEPTH, width x DEPTH]``.
 
 Per tile of ``rows`` rows, ``rows x vectors`` int32 accumulators for the whole reduction; each k
-step one broadcast of the row's ``depth`` values (one int32) per row, and one weight load per
+step one broadcast of the row's ``DEPTH`` values (one int32) per row, and one weight load per
 vector."""
 
 from __future__ import annotations
@@ -46,18 +45,20 @@ from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, assembly_o
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
 LEVELS = 127  # symmetric int8: -127..127, so that negation never overflows
-REDUCED_LEVELS = 63  # --reduce-range's weights: 7 bits, -63..63
+ROW_OFFSET = 128  # added to the rows' levels: the dot products' row operand is unsigned
+ROWS_DTYPE = "uint8"
+DEPTH = 4  # k values a lane per dot product
 AMX_INSTRUCTION = "tdpbusd"  # AMX-INT8's tile dot product (kernels/amx.int8_kernel): vpdpbusd's operands, 16 x 16 lanes at once
 
 
 def tile(n: int, lanes: int) -> tuple[int, int] | None:
     """(rows, vectors) of the int32 accumulator tile for N columns and the target's int32 lanes,
-    or None where N is not a multiple of the lanes. Each product needs a register of its own
-    before it is added (``pmaddwd`` then ``paddd``), besides the accumulators, the weight vectors
-    and the broadcast: AVX2's 16 registers hold 3 x 3 (4 x 3, as the FMA kernel runs, spilled
-    accumulators to the stack at every step; 5 x 2, 4 x 2, 3 x 2 and 2 x 4 were no faster at 14,
-    128 and 1024 rows: 270-300 GOP/s on 2 Zen 3 cores, whose ``vpmaddwd`` + ``vpaddd`` peak is
-    ~68 GMAC/s a core, 1.5x its FMA's). ``vpdpbusd`` adds in place and takes the same tiles (a
+    or None where N is not a multiple of the lanes. Without VNNI each product needs a register of
+    its own before it is added (``vpmaddubsw``, ``vpmaddwd`` by a register of ones, ``vpaddd``),
+    besides the accumulators, the weight vectors and the broadcast: AVX2's 16 registers hold 3 x 3
+    (4 x 3, as the FMA kernel runs, spills; for bert-base's matmuls at 128 rows, 4 x 2, 5 x 2, 2 x
+    4 and 3 x 2 took 2-12% longer than 3 x 3, at 14 rows 5 x 2 was 7% faster: 2 Zen 3 cores, whose
+    byte route peaks at 88-99 GMAC/s a core, 1.8-2.0x its FMA's). ``vpdpbusd`` adds in place and takes the same tiles (a
     register to spare): 1190-1420 GOP/s on 2 Emerald Rapids cores at 1024 rows, 3.5-4.1x the FMA
     kernel there (other tiles not tried)."""
     shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((3, 3), (3, 2), (3, 1))
@@ -72,28 +73,15 @@ def fits(n: int, k: int, lanes: int) -> bool:
 
 @dataclass(frozen=True)
 class DotProduct:
-    """How one instruction adds int8 products to int32 lanes: ``depth`` of them a lane, the rows
-    quantized to ``rows_dtype`` with ``offset`` added to their levels (taken back by the columns'
-    accumulator start), the weights' levels within +-``weight_levels`` (beyond, a sum could
-    saturate), and ``accumulate(acc, row_word, weights, lanes)``: TIR adding to the ``lanes``
-    int32 ``acc`` the products of ``row_word`` (the row's ``depth`` values in one int32, broadcast
-    to every lane) with ``weights`` (``depth x lanes`` int8)."""
+    """How one instruction adds int8 products to int32 lanes: ``accumulate(acc, row_word, weights,
+    lanes)``, TIR adding to the ``lanes`` int32 ``acc`` the products of ``row_word`` (a row's
+    ``DEPTH`` values in one int32, broadcast to every lane) with ``weights`` (``DEPTH x lanes``
+    int8); ``pair_levels``, where adjacent products are summed in int16 first: the bound on a pair
+    of weights' real sum, in levels (the scale keeps ``|w0 + w1| / sw`` within it)."""
 
     instruction: str  # as the kernel's assembly shows it
-    depth: int
-    rows_dtype: str
-    offset: int
-    weight_levels: int
     accumulate: Callable
-
-
-def _pairs(acc, row_word, weights, lanes: int):
-    from tvm.script import tirx as T
-
-    name = "llvm.x86.avx512.pmaddw.d.512" if lanes == 16 else "llvm.x86.avx2.pmadd.wd"
-    pairs = f"int16x{2 * lanes}"
-    return acc + T.call_llvm_pure_intrin(f"int32x{lanes}", T.llvm_lookup_intrinsic_id(name),
-                                         T.reinterpret(row_word, dtype=pairs), T.Cast(pairs, weights))
+    pair_levels: float | None = None
 
 
 def _quads(acc, row_word, weights, lanes: int):
@@ -116,23 +104,20 @@ def _byte_pairs(acc, row_word, weights, lanes: int):
                                          T.broadcast(T.int16(1), 2 * lanes))
 
 
+# An int16 pair sum of two products stays within 255 x 128 = 32640 <= 32767 where |Wq0 + Wq1| <= 128:
+# 127.99 leaves a real margin under 128, so that rounding each weight (by at most 1/2) keeps the
+# integer sum <= 128, whatever fp32's rounding of the scale and the quotients.
+PAIR_LEVELS = 127.99
+
 DOT_PRODUCTS = {dot.instruction: dot for dot in (
-    DotProduct("vpdpbusd", 4, "uint8", 128, LEVELS, _quads),
-    DotProduct("vpmaddwd", 2, "int16", 0, LEVELS, _pairs),
-    DotProduct("vpmaddubsw", 4, "uint8", 128, REDUCED_LEVELS, _byte_pairs),
+    DotProduct("vpdpbusd", _quads),
+    DotProduct("vpmaddubsw", _byte_pairs, PAIR_LEVELS),
 )}
-
-
-def dot_product(instruction: str, reduce_range: bool) -> DotProduct:
-    """The dot product of a target whose widest is ``instruction``: with 7-bit weights
-    (``reduce_range``), ``vpmaddubsw`` where that is ``vpmaddwd``; VNNI's is as fast either way."""
-    return DOT_PRODUCTS["vpmaddubsw" if reduce_range and instruction == "vpmaddwd" else instruction]
 
 
 def instructions_in(executable) -> dict[str, int]:
     """How many of each dot product's instruction the executable's CPU code holds: which one its
-    int8 matmuls run on (``vpmaddubsw``'s route holds as many ``vpmaddwd``: its second step;
-    ``tdpbusd``: AMX's, ``kernels/amx.py``)."""
+    int8 matmuls run on (``tdpbusd``: AMX's, ``kernels/amx.py``)."""
     assembly = assembly_of(executable)
     return {name: assembly.count(f"\t{name}\t") for name in (*DOT_PRODUCTS, AMX_INSTRUCTION)}
 
@@ -146,11 +131,10 @@ def dequantized(total, row_scale, column_scale, bias):
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, dot: DotProduct = DOT_PRODUCTS["vpmaddwd"]):
+           residual: bool = False, *, dot: DotProduct):
     """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
-    with xq the rows as ``quantize_rows_kernel(..., dot)`` stores them, Wq as the module docstring
-    lays it out, c0 the accumulators' start (``-offset x sum_k Wq[k, n]``; one unread int where
-    ``dot`` has no offset); ``m`` (the product of ``lead``) any row count; without ``residual``,
+    with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
+    out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of ``lead``) any row count; without ``residual``,
     r is one unread float."""
     import tvm
     from tvm.script import tirx as T
@@ -160,14 +144,11 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     residual_shape = (*lead, n) if residual else (1,)
     rows, vectors = tile(n, lanes)
     width = vectors * lanes
-    depth = dot.depth
-    words = k // depth  # k steps: one int32 of each row's values per step
+    words = k // DEPTH  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
     panel_lines = k * width // CACHE_LINE
     steps = (tiles + (last_rows > 0)) * words
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
-    offset = dot.offset > 0
-    start_shape = (n,) if offset else (1,)
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)
 
@@ -180,16 +161,13 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
             row_word = T.broadcast(x32[first_row + i, kw], lanes)
             for v in T.unroll(vectors):
                 acc[i, T.ramp(v * lanes, 1, lanes)] = dot.accumulate(
-                    acc[i, T.ramp(v * lanes, 1, lanes)], row_word, wq[p, kw, T.ramp(v * depth * lanes, 1, depth * lanes)], lanes)
+                    acc[i, T.ramp(v * lanes, 1, lanes)], row_word, wq[p, kw, T.ramp(v * DEPTH * lanes, 1, DEPTH * lanes)], lanes)
 
     @T.macro
     def begin(c0, acc, p, group):
         for i in T.unroll(group):
             for v in T.unroll(vectors):
-                if offset:
-                    acc[i, T.ramp(v * lanes, 1, lanes)] = c0[T.ramp(p * width + v * lanes, 1, lanes)]
-                else:
-                    acc[i, T.ramp(v * lanes, 1, lanes)] = T.broadcast(T.int32(0), lanes)
+                acc[i, T.ramp(v * lanes, 1, lanes)] = c0[T.ramp(p * width + v * lanes, 1, lanes)]
 
     @T.macro
     def store(sx, sw, b, rf, yf, acc, p, first_row, group):
@@ -225,8 +203,8 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
             store(sx, sw, b, rf, yf, acc_tail, p, t * rows + head, tail)
 
     @T.prim_func(s_tir=True)
-    def int8_matmul(x: T.Buffer((*lead, k), dot.rows_dtype), sx: T.Buffer((m,), "float32"),
-                    wq: T.Buffer((panels, words, width * depth), "int8"), c0: T.Buffer(start_shape, "int32"),
+    def int8_matmul(x: T.Buffer((*lead, k), ROWS_DTYPE), sx: T.Buffer((m,), "float32"),
+                    wq: T.Buffer((panels, words, width * DEPTH), "int8"), c0: T.Buffer((n,), "int32"),
                     sw: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"),
                     y: T.Buffer((*lead, n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
@@ -249,11 +227,11 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 
 
 def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | None = None,
-                         dot: DotProduct = DOT_PRODUCTS["vpmaddwd"], rows: int | None = None):
+                         rows: int | None = None):
     """The PrimFunc ``(xq[*lead, k], sx[m]) = quantize(x[*lead, k])``: per row, ``sx = max|x| / 127``
-    and ``xq = round(x / sx) + offset`` (half to even, as NumPy rounds) in ``dot``'s rows dtype; a
-    row of zeros gets ``sx = 0`` and ``xq = offset``. With ``rows`` (AMX's whole row tiles,
-    ``kernels/amx.padded_rows``), xq is ``[rows, k]``, the rows past m zeros (``offset``)."""
+    and ``xq = round(x / sx) + ROW_OFFSET`` (half to even, as NumPy rounds) in uint8; a row of
+    zeros gets ``sx = 0`` and ``xq = ROW_OFFSET``. With ``rows`` (AMX's whole row tiles,
+    ``kernels/amx.padded_rows``), xq is ``[rows, k]``, the rows past m zeros (``ROW_OFFSET``)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -264,14 +242,14 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
     xq_shape = (rows, k) if rows is not None else (*lead, k)
 
     @T.prim_func(s_tir=True)
-    def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer(xq_shape, dot.rows_dtype), sx: T.Buffer((m,), "float32")):
+    def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer(xq_shape, ROWS_DTYPE), sx: T.Buffer((m,), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, QUANTIZE_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("quantize_rows"):
                 T.reads(whole(x))
                 T.writes(whole(xq), whole(sx))
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
-                qf = T.decl_buffer((m + padding, k), dot.rows_dtype, data=xq.data)
+                qf = T.decl_buffer((m + padding, k), ROWS_DTYPE, data=xq.data)
                 for row in T.parallel(m):
                     peak = T.alloc_buffer((lanes,), "float32")
                     for j in T.vectorized(lanes):
@@ -288,12 +266,12 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
                     inverse[0] = T.Select(top[0] > T.float32(0), T.float32(LEVELS) / top[0], T.float32(0))
                     for v in range(vectors):
                         for j in T.vectorized(lanes):
-                            qf[row, v * lanes + j] = T.Cast(dot.rows_dtype, T.nearbyint(xf[row, v * lanes + j] * inverse[0])
-                                                            + T.float32(dot.offset))
+                            qf[row, v * lanes + j] = T.Cast(ROWS_DTYPE, T.nearbyint(xf[row, v * lanes + j] * inverse[0])
+                                                            + T.float32(ROW_OFFSET))
                 for row in range(padding):
                     for v in range(vectors):
                         for j in T.vectorized(lanes):
-                            qf[m + row, v * lanes + j] = T.Cast(dot.rows_dtype, T.float32(dot.offset))
+                            qf[m + row, v * lanes + j] = T.Cast(ROWS_DTYPE, T.float32(ROW_OFFSET))
 
     assert isinstance(quantize_rows, tvm.tirx.PrimFunc)
     return quantize_rows

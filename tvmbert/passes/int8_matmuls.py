@@ -6,45 +6,57 @@ output channel."""
 from __future__ import annotations
 
 from tvmbert.kernels import amx
-from tvmbert.kernels.int8 import LEVELS, REDUCED_LEVELS, DotProduct, dot_product, fits, kernel, quantize_rows_kernel, tile
+from tvmbert.kernels.int8 import (
+    DEPTH,
+    DOT_PRODUCTS,
+    LEVELS,
+    ROW_OFFSET,
+    ROWS_DTYPE,
+    DotProduct,
+    fits,
+    kernel,
+    quantize_rows_kernel,
+    tile,
+)
 
 
-def quantized_weight(weight, width: int, dot: DotProduct, levels: int):
-    """Relax: W[K, N] -> (Wq[N / width, K / depth, width x depth] int8, sw[N], c0[N] int32) with
-    ``sw = max|W[:, n]| / levels``, ``Wq = round(W / sw)`` (a zero column: scale 0, zeros) laid out as
-    the kernel reads it, and the accumulators' start ``c0 = -offset x sum_k Wq[k, n]`` (None where
-    ``dot`` has no offset). Ops on the weight alone: bind-params lifts them into the build-time
-    weight transform."""
+def quantized_weight(weight, width: int, dot: DotProduct):
+    """Relax: W[K, N] -> (Wq[N / width, K / DEPTH, width x DEPTH] int8, sw[N], c0[N] int32) with
+    ``sw = max|W[:, n]| / LEVELS``, and where ``dot`` bounds pairs of weights, at least
+    ``max_j |W[2j, n] + W[2j + 1, n]| / dot.pair_levels``; ``Wq = round(W / sw)`` (a zero column:
+    scale 0, zeros) laid out as the kernel reads it, and the accumulators' start ``c0 =
+    -ROW_OFFSET x sum_k Wq[k, n]``. Ops on the weight alone: bind-params lifts them into the
+    build-time weight transform."""
     from tvm import relax
 
-    assert levels <= dot.weight_levels, (levels, dot.instruction)
     op = relax.op
     k, n = (int(d) for d in weight.ty.shape)
-    scale = op.divide(op.max(op.abs(weight), axis=[0]), relax.const(float(levels), "float32"))
+    scale = op.divide(op.max(op.abs(weight), axis=[0]), relax.const(float(LEVELS), "float32"))
+    if dot.pair_levels:
+        pair_sums = op.sum(op.reshape(weight, (k // 2, 2, n)), axis=[1])
+        scale = op.maximum(scale, op.divide(op.max(op.abs(pair_sums), axis=[0]), relax.const(dot.pair_levels, "float32")))
     divisor = op.where(op.greater(scale, relax.const(0.0, "float32")), scale, relax.const(1.0, "float32"))
-    quantized = op.astype(op.clip(op.round(op.divide(weight, divisor)), -levels, levels), "int8")
-    steps = op.reshape(quantized, (k // dot.depth, dot.depth, n // width, width))
-    laid_out = op.reshape(op.permute_dims(steps, [2, 0, 3, 1]), (n // width, k // dot.depth, width * dot.depth))
-    start = op.multiply(op.sum(op.astype(quantized, "int32"), axis=[0]), relax.const(-dot.offset, "int32")) if dot.offset else None
+    quantized = op.astype(op.clip(op.round(op.divide(weight, divisor)), -LEVELS, LEVELS), "int8")
+    steps = op.reshape(quantized, (k // DEPTH, DEPTH, n // width, width))
+    laid_out = op.reshape(op.permute_dims(steps, [2, 0, 3, 1]), (n // width, k // DEPTH, width * DEPTH))
+    start = op.multiply(op.sum(op.astype(quantized, "int32"), axis=[0]), relax.const(-ROW_OFFSET, "int32"))
     return laid_out, scale, start
 
 
-def int8_matmuls(lanes: int, instruction: str, reduce_range: bool, amx_tiles: bool = False):
+def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, N a
     multiple of the lanes, K of the lanes (the row quantization's vectors) and the product used by
     nothing else, becomes a row quantization of x and one call of the kernel, together with the
     activation or the residual add that follows it, if any (``kernel_calls.Epilogues``). At every
     row count: no schedule of TVM's runs int8 faster. Everything else is left as it is.
-    ``instruction``: the target's widest dot product; ``reduce_range``: 7-bit weights;
-    ``amx_tiles``: the matmuls AMX's tiles fit (``amx.int8_fits``) run on AMX-INT8 (its rows
+    ``instruction``: the target's dot product (``DOT_PRODUCTS``); ``amx_tiles``: the matmuls AMX's tiles fit (``amx.int8_fits``) run on AMX-INT8 (its rows
     quantized as for ``instruction``, ``vpdpbusd`` on every such CPU, into whole row tiles)."""
     from tvm import relax
 
-    from tvmbert.ir.dataflow import row_count, unread
+    from tvmbert.ir.dataflow import row_count
     from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
 
-    dot = dot_product(instruction, reduce_range)
-    weight_levels = REDUCED_LEVELS if reduce_range else LEVELS
+    dot = DOT_PRODUCTS[instruction]
     assert not amx_tiles or dot.instruction == "vpdpbusd", dot.instruction  # AMX's rows are VNNI's (TargetSpec.has_amx_int8)
 
     def on_amx(n, k):
@@ -56,12 +68,12 @@ def int8_matmuls(lanes: int, instruction: str, reduce_range: bool, amx_tiles: bo
     def make_kernel(m, lead, n, k, activation, residual, _out_dtype):
         if on_amx(n, k):
             return amx.int8_kernel(m, n, k, lead, activation, residual)
-        return kernel(m, n, k, lanes, lead, activation, residual, dot)
+        return kernel(m, n, k, lanes, lead, activation, residual, dot=dot)
 
     def quantizer(rewriter, lead, k, rows):
         key = ("quantize_rows", *lead, k, rows)
         if key not in rewriter.cache:
-            function = quantize_rows_kernel(row_count(lead), k, lanes, lead, dot, rows)
+            function = quantize_rows_kernel(row_count(lead), k, lanes, lead, rows)
             name = "int8_quantize_rows_" + "x".join(str(d) for d in (*lead, k)) + (f"_to_{rows}_rows" if rows else "")
             rewriter.cache[key] = rewriter.builder_.add_func(function.without_attr("global_symbol"), name)
         return rewriter.cache[key]
@@ -72,10 +84,8 @@ def int8_matmuls(lanes: int, instruction: str, reduce_range: bool, amx_tiles: bo
         rows = amx.padded_rows(m) if on_amx(n, k) else None
         width = amx.TILE if rows else tile(n, lanes)[1] * lanes
         emit = rewriter.builder_.emit
-        laid_out, weight_scale, start = quantized_weight(weight, width, dot, weight_levels)
-        laid_out, weight_scale = emit(laid_out), emit(weight_scale)
-        start = emit(start) if start is not None else unread("int32")
-        rows_type = relax.TensorType((rows, k) if rows else (*lead, k), dot.rows_dtype)
+        laid_out, weight_scale, start = (emit(operand) for operand in quantized_weight(weight, width, dot))
+        rows_type = relax.TensorType((rows, k) if rows else (*lead, k), ROWS_DTYPE)
         quantized = emit(relax.call_tir(quantizer(rewriter, lead, k, rows), [x], [rows_type, relax.TensorType((m,), "float32")]))
         quantized_rows, row_scale = emit(relax.TupleGetItem(quantized, 0)), emit(relax.TupleGetItem(quantized, 1))
         weight_operand, *rest = kernel_operands(laid_out, bias, residual)

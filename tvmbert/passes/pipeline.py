@@ -26,7 +26,6 @@ class PassContext:
     target: object | None = None  # core.targets.TargetSpec
     fast_math: bool = False
     min_rows: int = 1  # the fewest rows a weight matmul or layer norm runs on our kernels with (kernels/fma.MIN_ROWS)
-    reduce_range: bool = False  # int8: 7-bit weights (kernels/int8.py)
 
     @property
     def fp32_kernels(self) -> bool:
@@ -91,7 +90,7 @@ def _int8_matmuls(context):
     from tvmbert.passes.int8_matmuls import int8_matmuls
 
     target = context.target
-    return [int8_matmuls(target.int8_lanes, target.int8_instruction, context.reduce_range, target.has_amx_int8)]
+    return [int8_matmuls(target.int8_lanes, target.int8_instruction, target.has_amx_int8)]
 
 
 def _fma_fp32(context):

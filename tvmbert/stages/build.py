@@ -68,13 +68,6 @@ def build(job: Job, force: bool = False) -> Artifact:
 def _suggest(job: Job, meta: dict) -> None:
     """What would make this build faster, said after every build (a cached one too)."""
     _suggest_adapt(job, meta)
-    _suggest_reduce_range(job)
-
-
-def _suggest_reduce_range(job: Job) -> None:
-    if job.config.dtype == "int8" and not job.config.reduce_range and job.target.int8_instruction == "vpmaddwd":
-        job.say(f"build: {job.target.key} has no VNNI: its exact int8 matmuls run on vpmaddwd; --reduce-range (7-bit "
-                f"weights) runs them 1.2-1.5x faster on vpmaddubsw, for some accuracy (README: int8; verify it first)")
 
 
 def _suggest_adapt(job: Job, meta: dict) -> None:

@@ -224,7 +224,6 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
                   "max_positions": job.source.max_positions, "weight_bytes": convert_meta["weight_bytes"]},
         "dtype": job.config.dtype,
         "fast_math": job.config.fast_math,
-        "reduce_range": job.config.reduce_range,
         "random_weights": trace_meta.get("random_weights", []),  # --allow-random-weights: drawn, not the model's
         **builds,
         "inputs": _inputs(built[0][0]),

@@ -61,8 +61,7 @@ class Job:
     @property
     def numerics_key(self) -> str:
         """What decides the numbers a build computes, as folder names carry it."""
-        return (self.config.dtype + ("-reducerange" if self.config.reduce_range else "")
-                + ("-fastmath" if self.config.fast_math else ""))
+        return self.config.dtype + ("-fastmath" if self.config.fast_math else "")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,8 +76,7 @@ class Job:
 
     @property
     def pass_context(self) -> PassContext:
-        return PassContext(self.config.dtype, self.target, self.config.fast_math, fma.min_rows(self.target.key),
-                           self.config.reduce_range)
+        return PassContext(self.config.dtype, self.target, self.config.fast_math, fma.min_rows(self.target.key))
 
     @property
     def packed(self) -> bool:

@@ -41,8 +41,7 @@ def optimize(job: Job, force: bool = False) -> Artifact:
     stage = CachedStage(job, "optimize", convert=converted.fingerprint, passes=names,
                         **({"target": job.target.key} if per_target(names) else {}),
                         # which kernels a pass calls follows the target's features, -mattr's too (-amx-int8, -avx512vnni)
-                        **({"mattr": job.target.config["mattr"]} if per_target(names) and job.target.config.get("mattr") else {}),
-                        **({"reduce_range": True} if job.config.reduce_range else {}))
+                        **({"mattr": job.target.config["mattr"]} if per_target(names) and job.target.config.get("mattr") else {}))
     if hit := stage.reused(force):
         return hit
     job.say(f"optimize: {' -> '.join(names) or 'no passes'}")

@@ -23,9 +23,6 @@ DEFAULT_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 2e-2, "bfloat
 # --fast-math trades exactness for speed (tanh GELU, fast exp): verify reports the error it
 # measures (~2e-5 on bert-tiny); this bound only catches a broken approximation.
 FAST_MATH_TOLERANCE = 1e-2
-# --reduce-range's 7-bit weights: all-MiniLM-L6-v2 measures 5.2 (8-bit: 0.23). A broken build's
-# bound only, as int8's: the accuracy bars gate it.
-REDUCED_RANGE_TOLERANCE = 10.0
 # What each head's users compare with fp32 (core/accuracy.py), the least value that passes, by
 # dtype. fp32 and fp64 are held to the max abs diff already; their bars only catch a metric gone
 # wrong. Spearman's is 0.99 there too: a random-weight model's sentence embeddings are all nearly
@@ -61,7 +58,6 @@ class VerifyResult:
     tolerance: float
     dtype: str
     fast_math: bool
-    reduce_range: bool
     samples: int
     target: str
     outputs: list[OutputDiff]
@@ -110,8 +106,6 @@ def verify(job: Job) -> VerifyResult:
         raise ToolchainError(f"verify runs the model: this machine has no {job.target.kind} device (the build itself is at {built.path})")
     options = job.config.verify
     tolerance = options.tolerance or (FAST_MATH_TOLERANCE if job.config.fast_math else DEFAULT_TOLERANCE[job.config.dtype])
-    if job.config.reduce_range and not options.tolerance:
-        tolerance = max(tolerance, REDUCED_RANGE_TOLERANCE)
     tie = agreement_tie(job.config.dtype, tolerance)
     reference = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     compiled = CompiledModel(built, job)
@@ -163,7 +157,6 @@ def verify(job: Job) -> VerifyResult:
         tolerance=tolerance,
         dtype=job.config.dtype,
         fast_math=job.config.fast_math,
-        reduce_range=job.config.reduce_range,
         samples=options.samples,
         target=job.target.key,
         outputs=outputs,

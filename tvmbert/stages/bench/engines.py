@@ -18,7 +18,6 @@ from tvmbert.deploy.compiled import CompiledModel
 from tvmbert.frontend import models
 from tvmbert.stages.build import build
 from tvmbert.stages.job import Job
-from tvmbert.stages.verify import REDUCED_RANGE_TOLERANCE
 
 ENGINES = tuple(registry.ENGINES)  # their names, in report order
 # A sanity check of each engine against PyTorch eager in fp32 (fp64 for float64), not verify's bar.
@@ -56,9 +55,7 @@ def peer_dtype(dtype: str) -> str:
     return PEER_DTYPE.get(dtype, torch_dtype(dtype))
 
 
-def check_tolerance(engine: str, dtype: str, reduce_range: bool = False) -> float:
-    if reduce_range and engine.startswith("tvm"):  # our 7-bit weights: verify's bound for them
-        return REDUCED_RANGE_TOLERANCE
+def check_tolerance(engine: str, dtype: str) -> float:
     quantized = registry.ENGINES[engine].quantized
     if quantized is not None:
         return CHECK_TOLERANCE[quantized]

@@ -75,7 +75,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
         expected = reference(job, inputs)
     timed = []
     for engine in engines:
-        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype, job.config.reduce_range))
+        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype))
         if problem:
             report[engine.name] = {"skipped": problem}
             job.say(f"bench: {engine.name} not timed: {problem}")
@@ -91,15 +91,15 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
 
 
-def engine_dtypes(dtype: str, engines, reduce_range: bool = False) -> dict[str, str]:
+def engine_dtypes(dtype: str, engines) -> dict[str, str]:
     """What each engine computes in, as the report says it."""
     described = {}
     for name in engines:
         if name.startswith("tvm"):
             described[name] = {"float16": "float16 matmuls accumulating in fp32, the rest fp32",
                                "bfloat16": "bfloat16 weight matmuls on AMX accumulating in fp32, the rest fp32",
-                               "int8": f"int8 weight matmuls ({'7-bit ' if reduce_range else ''}weights per channel, rows per "
-                                       "row at run time, int32 sums), the rest fp32"}.get(dtype, dtype)
+                               "int8": "int8 weight matmuls (weights per channel, rows per row at run time, int32 sums), "
+                                       "the rest fp32"}.get(dtype, dtype)
         elif name in QUANTIZED_PEERS:
             described[name] = QUANTIZED_PEERS[name]
         elif name in IN_PEER_DTYPE:
@@ -134,9 +134,9 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
                 results.append(bench_shape(shaped, actual, engines, threads))
     # --allow-random-weights: the weights every engine ran drawn at random, said once for the report.
     drawn = sorted({name for result in results for name in result.pop("random_weights")})
-    report = {"model": job.source.name, "dtype": job.config.dtype, "reduce_range": job.config.reduce_range, "random_weights": drawn,
+    report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn,
               "environment": environment(job, threads),
-              "engine_dtypes": engine_dtypes(job.config.dtype, engines, job.config.reduce_range), "results": results}
+              "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})
         report["shape"] = {"batch": results[0]["batch"], "seq_len": results[0]["seq_len"], "padding": results[0]["padding"]}

@@ -21,7 +21,7 @@ from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
 from tvmbert.deploy.package import load
 from tvmbert.frontend import models
-from tvmbert.stages.bench.engines import CHECK_TOLERANCE, check_tolerance, onnx_session
+from tvmbert.stages.bench.engines import CHECK_TOLERANCE, onnx_session
 from tvmbert.stages.bench.timing import environment, set_threads
 from tvmbert.stages.export import DEFAULT_SEQ_LENS, export
 from tvmbert.stages.job import Job
@@ -172,7 +172,6 @@ def bench_lengths(job: Job, lengths: str, requests: int = 0, seq_lens: tuple[int
     mask_index = job.source.inputs.index("attention_mask")
     per_token = [name in TASKS[job.source.task].per_token for name in models.load(job.source).output_names]
     tolerances = {name: CHECK_TOLERANCE[job.config.dtype] for name in runs}
-    tolerances["tvm"] = check_tolerance("tvm", job.config.dtype, job.config.reduce_range)  # 7-bit weights: verify's bound
     for request in work[:CHECKED_REQUESTS]:
         expected = runs["torch-eager"](request)
         for name in list(runs):
@@ -212,7 +211,6 @@ def bench_lengths(job: Job, lengths: str, requests: int = 0, seq_lens: tuple[int
     return {
         "model": job.source.name,
         "dtype": job.config.dtype,
-        "reduce_range": job.config.reduce_range,
         "workload": {"lengths": lengths, "requests": len(work), "batch": batch, "mean_length": round(float(real.mean()), 1),
                      "p50_length": int(np.median(real)), "max_length": int(real.max()),
                      "padded_fraction": round(1 - float(real.sum()) / sum(r[0].size for r in work), 3)},
