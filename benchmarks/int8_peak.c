@@ -24,12 +24,12 @@ int main(void) {
          "vfmadd231ps %%ymm14,%%ymm15,%%ymm0\n vfmadd231ps %%ymm14,%%ymm15,%%ymm1\n vfmadd231ps %%ymm14,%%ymm15,%%ymm2\n"
          "vfmadd231ps %%ymm14,%%ymm15,%%ymm3\n vfmadd231ps %%ymm14,%%ymm15,%%ymm4\n vfmadd231ps %%ymm14,%%ymm15,%%ymm5\n"
          "vfmadd231ps %%ymm14,%%ymm15,%%ymm6\n vfmadd231ps %%ymm14,%%ymm15,%%ymm7\n", 8 * 8);
-    RATE("vpmaddwd + vpaddd (exact int8 in int16 pairs)",
+    RATE("vpmaddwd + vpaddd (int16 rows and weights)",
          "vpmaddwd %%ymm14,%%ymm15,%%ymm8\n vpmaddwd %%ymm14,%%ymm15,%%ymm9\n vpmaddwd %%ymm14,%%ymm15,%%ymm10\n vpmaddwd %%ymm14,%%ymm15,%%ymm11\n"
          "vpaddd %%ymm8,%%ymm0,%%ymm0\n vpaddd %%ymm9,%%ymm1,%%ymm1\n vpaddd %%ymm10,%%ymm2,%%ymm2\n vpaddd %%ymm11,%%ymm3,%%ymm3\n"
          "vpmaddwd %%ymm14,%%ymm15,%%ymm12\n vpmaddwd %%ymm14,%%ymm15,%%ymm13\n vpmaddwd %%ymm14,%%ymm15,%%ymm8\n vpmaddwd %%ymm14,%%ymm15,%%ymm9\n"
          "vpaddd %%ymm12,%%ymm4,%%ymm4\n vpaddd %%ymm13,%%ymm5,%%ymm5\n vpaddd %%ymm8,%%ymm6,%%ymm6\n vpaddd %%ymm9,%%ymm7,%%ymm7\n", 8 * 16);
-    RATE("vpmaddubsw + vpmaddwd(1) + vpaddd (u8 x s8)",
+    RATE("vpmaddubsw + vpmaddwd(1) + vpaddd (u8 x s8: ours without VNNI)",
          "vpmaddubsw %%ymm14,%%ymm15,%%ymm8\n vpmaddubsw %%ymm14,%%ymm15,%%ymm9\n vpmaddubsw %%ymm14,%%ymm15,%%ymm10\n vpmaddubsw %%ymm14,%%ymm15,%%ymm11\n"
          "vpmaddwd %%ymm8,%%ymm13,%%ymm8\n vpmaddwd %%ymm9,%%ymm13,%%ymm9\n vpmaddwd %%ymm10,%%ymm13,%%ymm10\n vpmaddwd %%ymm11,%%ymm13,%%ymm11\n"
          "vpaddd %%ymm8,%%ymm0,%%ymm0\n vpaddd %%ymm9,%%ymm1,%%ymm1\n vpaddd %%ymm10,%%ymm2,%%ymm2\n vpaddd %%ymm11,%%ymm3,%%ymm3\n", 4 * 32);
