@@ -19,12 +19,12 @@ values a lane:
   Runtime's AVX2 kernels (and MetaSchedule's x86 intrinsics without VNNI) go wrong. So here each
   column's scale is bounded by its pairs as well (``DotProduct.pair_levels``): ``|Wq[2j, n] +
   Wq[2j + 1, n]| <= 128``, and a pair's sum stays within 255 x 128 = 32640 (opposite signs: 255 x
-  127). The weights keep 8 bits; a column whose largest two share a pair loses up to one
+  127). The weights keep 8 bits; a column whose largest two share a pair loses up to one bit
   (all-MiniLM-L6-v2's scales grow 1.29x on average; what it costs: README, int8). 1.24-1.55x the exact
   route it replaced, ``vpmaddwd`` on int16 rows and sign-extended weights (two products a lane,
   ``benchmarks/int8_kernel.py``).
 
-All are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
+Both are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
 44000).
 
 The weight is stored as int8 (a quarter of fp32's bytes to stream: few-row matmuls are bound by
