@@ -4,7 +4,7 @@
 #   1. tests: the int8 and AMX tests, which run the AMX and VNNI kernels for real where the CPU has them
 #   2. tvmbert bench MODEL in int8 against ort-int8 (and openvino-int8 where it was carried) at 1 x 14,
 #      1 x 128 and 8 x 128, then tvm's fp32 at 8 x 128
-#   3. benchmarks/int8_kernel.py: the kernels alone (fp32 FMA, int8 on vectors, 7-bit, AMX-INT8)
+#   3. benchmarks/int8_kernel.py: the kernels alone (fp32 FMA, int8 on vectors, AMX-INT8)
 # Timings on 2 threads, as the int8 goals are stated (the builds free to use every core); the tests on 8 workers.
 # Each step is bounded (a stopped call still returns the finished ones): results under $OUT, at
 # most 8 files (the device tool's limit): log.txt (the CPU, each step's status and stderr), one

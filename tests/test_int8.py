@@ -46,7 +46,7 @@ def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(x * inverse[..., None]).astype(np.int16), (top / np.float32(int8.LEVELS)).astype(np.float32)
 
 
-def quantized_weight(w: np.ndarray, dot) -> tuple[np.ndarray, np.ndarray]:
+def quantized_weight_model(w: np.ndarray, dot) -> tuple[np.ndarray, np.ndarray]:
     """The NumPy model of the weights' quantization (passes/int8_matmuls.quantized_weight):
     per column, max |w| -> 127, and where ``dot`` sums pairs in int16, |w0 + w1| -> at most
     ``dot.pair_levels``."""
@@ -54,7 +54,8 @@ def quantized_weight(w: np.ndarray, dot) -> tuple[np.ndarray, np.ndarray]:
     if dot.pair_levels:
         pair_sums = w.reshape(w.shape[0] // 2, 2, -1).sum(1)
         sw = np.maximum(sw, (np.abs(pair_sums).max(0) / np.float32(dot.pair_levels)).astype(np.float32))
-    return np.clip(np.rint(w / sw), -int8.LEVELS, int8.LEVELS).astype(np.int8), sw
+    divisor = np.where(sw > 0, sw, np.float32(1))  # a zero column: scale 0, zeros
+    return np.clip(np.rint(w / divisor), -int8.LEVELS, int8.LEVELS).astype(np.int8), sw
 
 
 def weight_layout(wq: np.ndarray, width: int) -> np.ndarray:
@@ -73,21 +74,24 @@ def check_against_numpy(library, dot, lead, n, k, activation, residual, width, r
     """Runs ``library``'s ``quantize`` (into ``rows`` rows where given) and ``matmul`` (weights in
     panels ``width`` wide) on random data and checks them against the NumPy model: the quantized
     rows and scales equal, the int32 sums exact (the output within float32's rounding of the
-    dequantization), and the result near fp32's. The first row and the first two columns hold the
-    worst case of ``vpmaddubsw``'s int16 pair sums: rows at 255 times two weights at the column's
-    largest, of one sign (the pairs' bound keeps them within 32767)."""
+    dequantization), and the result near fp32's. Row 1 (row 0 is zeros) and the first two
+    columns hold the worst case of ``vpmaddubsw``'s int16 pair sums: rows at 255 times two weights
+    at the column's largest, of one sign (the pairs' bound keeps them within 32767); the third
+    column alternates signs at its largest, which saturates only where the kernel pairs other
+    k values than the model does."""
     import tvm
 
     m = int(np.prod(lead))
     rng = np.random.default_rng(3)
     x = rng.standard_normal((*lead, k), dtype=np.float32) * 4
     x[0] = 0  # a row of zeros: scale 0, no division by it
-    x[1, :2] = np.abs(x[1]).max()
+    x[1, :4] = np.abs(x[1]).max()
     w = rng.standard_normal((k, n), dtype=np.float32)
     w[:2, 0], w[:2, 1] = np.abs(w[:, 0]).max(), -np.abs(w[:, 1]).max()
+    w[:4, 2] = np.abs(w[:, 2]).max() * np.array([1, -1, 1, -1], np.float32)
     b = rng.standard_normal(n, dtype=np.float32)
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
-    wq, sw = quantized_weight(w, dot)
+    wq, sw = quantized_weight_model(w, dot)
     laid_out = weight_layout(wq, width)
     if dot.pair_levels:
         assert np.abs(pair_sums(laid_out)).max() == 128  # the first two columns' pairs at the bound
@@ -119,6 +123,44 @@ def check_against_numpy(library, dot, lead, n, k, activation, residual, width, r
     reference = (x.astype(np.float64) @ w + b)  # and near fp32's, as int8 goes
     if not activation and not residual:
         assert np.abs(y.numpy() - reference).max() < 0.05 * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("instruction", sorted(int8.DOT_PRODUCTS))
+def test_the_build_quantizes_weights_as_the_numpy_model_does(instruction):
+    """passes/int8_matmuls.quantized_weight (Relax, run at build time) against the model above:
+    a column whose largest two weights share a pair (its scale then set by the pair), one that
+    alternates signs at its largest (pairs summing to 0: the scale stays max |w| / 127, which a
+    pairing of other k values would not give), and a column of zeros."""
+    import tvm
+    from tvm import relax
+
+    from tvmbert.passes.int8_matmuls import quantized_weight
+
+    dot = int8.DOT_PRODUCTS[instruction]
+    k, n, width = 16, 16, 8
+    w = np.random.default_rng(5).standard_normal((k, n), dtype=np.float32)
+    w[:2, 0] = np.abs(w[:, 0]).max()
+    w[:, 1] = np.clip(w[:, 1], -0.4, 0.4)  # no other pair near the largest: only the pairing decides the scale
+    w[:4, 1] = [1, -1, 1, -1]
+    w[:, 2] = 0
+    builder = relax.BlockBuilder()
+    weight = relax.Var("w", relax.TensorType((k, n), "float32"))
+    with builder.function("main", [weight]):
+        with builder.dataflow():
+            operands = [builder.emit(operand) for operand in quantized_weight(weight, width, dot)]
+            output = builder.emit_output(relax.Tuple(operands))
+        builder.emit_func_output(output)
+    machine = relax.VirtualMachine(tvm.compile(builder.get(), target=HOST), tvm.cpu())
+    laid_out, sw, start = (a.numpy() for a in machine["main"](tvm.runtime.tensor(w)))
+    want_wq, want_sw = quantized_weight_model(w, dot)
+    np.testing.assert_array_equal(sw, want_sw)
+    np.testing.assert_array_equal(laid_out, weight_layout(want_wq, width))
+    np.testing.assert_array_equal(start, -int8.ROW_OFFSET * want_wq.astype(np.int32).sum(0))
+    assert sw[1] == np.float32(1) / np.float32(int8.LEVELS) and sw[2] == 0 and not want_wq[:, 2].any()
+    if dot.pair_levels:
+        assert np.abs(pair_sums(laid_out)).max() <= 128 and list(want_wq[:2, 0]) == [64, 64]  # 127.99 / 2 each
+    else:
+        assert list(want_wq[:2, 0]) == [127, 127]
 
 
 EPILOGUES = [(None, False), ("relax.nn.gelu", False), (None, True)]
