@@ -58,9 +58,9 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
     besides the accumulators, the weight vectors and the broadcast: AVX2's 16 registers hold 3 x 3
     (4 x 3, as the FMA kernel runs, spills; for bert-base's matmuls at 128 rows, 4 x 2, 5 x 2, 2 x
     4 and 3 x 2 took 2-12% longer than 3 x 3, at 14 rows 5 x 2 was 7% faster: 2 Zen 3 cores, whose
-    byte route peaks at 88-99 GMAC/s a core, 1.8-2.0x its FMA's). ``vpdpbusd`` adds in place and takes the same tiles (a
-    register to spare): 1190-1420 GOP/s on 2 Emerald Rapids cores at 1024 rows, 3.5-4.1x the FMA
-    kernel there (other tiles not tried)."""
+    byte route peaks at 88-99 GMAC/s a core, 1.8-2.0x its FMA's). ``vpdpbusd`` adds in place and
+    takes the same tiles (a register to spare): 1190-1420 GOP/s on 2 Emerald Rapids cores at 1024
+    rows, 3.5-4.1x the FMA kernel there (other tiles not tried)."""
     shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((3, 3), (3, 2), (3, 1))
     return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
 
@@ -134,8 +134,8 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
            residual: bool = False, *, dot: DotProduct):
     """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
     with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
-    out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of ``lead``) any row count; without ``residual``,
-    r is one unread float."""
+    out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of
+    ``lead``) any row count; without ``residual``, r is one unread float."""
     import tvm
     from tvm.script import tirx as T
 

@@ -49,8 +49,9 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     nothing else, becomes a row quantization of x and one call of the kernel, together with the
     activation or the residual add that follows it, if any (``kernel_calls.Epilogues``). At every
     row count: no schedule of TVM's runs int8 faster. Everything else is left as it is.
-    ``instruction``: the target's dot product (``DOT_PRODUCTS``); ``amx_tiles``: the matmuls AMX's tiles fit (``amx.int8_fits``) run on AMX-INT8 (its rows
-    quantized as for ``instruction``, ``vpdpbusd`` on every such CPU, into whole row tiles)."""
+    ``instruction``: the target's dot product (``DOT_PRODUCTS``); ``amx_tiles``: the matmuls AMX's
+    tiles fit (``amx.int8_fits``) run on AMX-INT8 (its rows quantized as for ``instruction``,
+    ``vpdpbusd`` on every such CPU, into whole row tiles)."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count
