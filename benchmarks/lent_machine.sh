@@ -26,19 +26,28 @@ log="$OUT/log.txt"
 lscpu | grep -v Vulnerab > "$log"
 
 step() {  # step NAME SECONDS COMMAND...: stdout to $OUT/NAME, stderr to the log
-    local name=$1 limit=$2 start
+    # In a process group of its own, stopped whole at its limit (exit 143) and after it: pytest-xdist's
+    # workers outlive a stopped pytest, and would slow every later step down.
+    local name=$1 limit=$2 start pid watchdog status
     shift 2
     start=$(date +%s)
     echo "== $name: $*" >> "$log"
-    timeout "$limit" "$@" > "$OUT/$name" 2>> "$log"
-    echo "== $name: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+    setsid "$@" > "$OUT/$name" 2>> "$log" &
+    pid=$!
+    (sleep "$limit" && kill -TERM -- "-$pid" 2> /dev/null) &
+    watchdog=$!
+    wait "$pid"
+    status=$?
+    kill "$watchdog" 2> /dev/null
+    kill -KILL -- "-$pid" 2> /dev/null
+    echo "== $name: exit $status after $(( $(date +%s) - start )) s" | tee -a "$log"
 }
 
 steps=" ${STEPS:-tests int8-b1 int8-b8 int8-b8-ort fp32-b8 profile kernels} "
 run() { [[ $steps == *" $1 "* ]]; }
 # openvino-int8 too where OpenVINO and NNCF were carried (the machine's image lacks them)
 engines=tvm,ort-int8$("$PY" -c "import openvino, nncf" 2>/dev/null && echo ,openvino-int8)
-run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -q -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py ${TESTS_K:+-k "$TESTS_K"}
+run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -v -rfE -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py ${TESTS_K:+-k "$TESTS_K"}
 export TVM_NUM_THREADS=2
 bench=("$PY" -m tvmbert bench "$MODEL" --threads 2 --repeat 10 --min-time 2 --workdir "$WORK" --json)
 run int8-b8 && step int8-b8.json "${BENCH_S:-120}" "${bench[@]}" --dtype int8 --engines "$engines" --batch 8 --seq-len 128
