@@ -78,7 +78,7 @@ def check_against_numpy(library, dot, lead, n, k, activation, residual, width, r
     columns hold the worst case of ``vpmaddubsw``'s int16 pair sums: rows at 255 times two weights
     at the column's largest, of one sign (the pairs' bound keeps them within 32767); the third
     column alternates signs at its largest, which saturates only where the kernel pairs other
-    k values than the model does. The last row is ties (its scale 1): halves round to even."""
+    k values than the model does. The last row is all ties: halves round to even."""
     import tvm
 
     m = int(np.prod(lead))
@@ -86,9 +86,9 @@ def check_against_numpy(library, dot, lead, n, k, activation, residual, width, r
     x = rng.standard_normal((*lead, k), dtype=np.float32) * 4
     x[0] = 0  # a row of zeros: scale 0, no division by it
     x[1, :4] = np.abs(x[1]).max()
-    ties = x.reshape(m, k)[-1]
-    ties[:] = np.arange(k) % 8 - np.float32(3.5)
-    ties[0] = int8.LEVELS
+    ties = x.reshape(m, k)[-1]  # over 32, and its scale 1/32 exactly: small, not to loosen the bounds below
+    ties[:] = (np.arange(k) % 8 - np.float32(3.5)) / 32
+    ties[0] = np.float32(int8.LEVELS) / 32
     w = rng.standard_normal((k, n), dtype=np.float32)
     w[:2, 0], w[:2, 1] = np.abs(w[:, 0]).max(), -np.abs(w[:, 1]).max()
     w[:4, 2] = np.abs(w[:, 2]).max() * np.array([1, -1, 1, -1], np.float32)
