@@ -1,6 +1,6 @@
-"""Where one inference's time goes: the Relax VM's profiler over a build, each kernel's median
-over the profiled runs, grouped by what it is (int8 or AMX matmul, attention, layer norm, ...),
-so that a speed-up is looked for where the time is, on the CPU at hand. Shares are of the median
+"""Where one inference's time goes: each kernel call of a build timed from the Relax VM's
+instrument hook, each kernel's median over the runs, grouped by what it is (int8 or AMX matmul,
+attention, layer norm, ...), so that a speed-up is looked for where the time is, on the CPU at hand. Shares are of the median
 total, each a median itself: they need not add up to 100%.
 
     python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype int8 [--threads 2] [--top 15]
@@ -83,7 +83,8 @@ def main() -> None:
         print(f"  {kind:28s} {us / 1e3:9.2f} ms {100 * us / total:5.1f}%")
     print(f"{'kernel':64s} {'ms':>8s} {'share':>6s}")
     for name, us in sorted(medians.items(), key=lambda item: -item[1])[: args.top]:
-        print(f"{re.sub(r'^vm.builtin.', '', name)[:64]:64s} {us / 1e3:8.2f} {100 * us / total:5.1f}%")
+        label = re.sub(r"^vm\.builtin\.", "", name)[:64]
+        print(f"{label:64s} {us / 1e3:8.2f} {100 * us / total:5.1f}%")
 
 
 if __name__ == "__main__":

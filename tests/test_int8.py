@@ -238,8 +238,8 @@ def test_each_target_gets_the_widest_dot_product_it_has(mcpu, instruction, regis
 @pytest.mark.parametrize("mcpu, register", [("sapphirerapids", "zmm"), ("znver4", "zmm"), ("haswell", "ymm")])
 def test_the_row_quantization_runs_on_whole_vectors_for_every_target(mcpu, register):
     """Compiled only. TVM leaves a loop with ``T.nearbyint`` scalar, and LLVM then vectorized it
-    across rows with gathers and byte stores: on AVX-512, 7x slower (a quarter of bert-base's int8
-    time at 8 x 128 on Emerald Rapids)."""
+    across rows with gathers and byte stores: on AVX-512, a quarter of bert-base's int8 time at
+    8 x 128 on an Emerald Rapids."""
     import tvm
 
     from tvmbert.core.targets import resolve

@@ -229,7 +229,8 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
 def _round_half_even(value):
     """TIR: ``value`` (float32) rounded to the nearest integer, ties to even, as NumPy's ``rint``. LLVM's
     ``roundeven`` called directly: TVM does not vectorize ``T.nearbyint`` (its loop stays scalar,
-    and LLVM's own vectorizer then gathers across rows: 7x slower on AVX-512)."""
+    and on 16 lanes LLVM's own vectorizer then gathered across rows: a quarter of bert-base's int8
+    time at 8 x 128 on an Emerald Rapids)."""
     from tvm.script import tirx as T
 
     return T.call_llvm_pure_intrin("float32", T.llvm_lookup_intrinsic_id("llvm.roundeven"), value)
