@@ -22,6 +22,18 @@ def test_directory_with_a_model_that_is_not_bert_like(tvmbert, tmp_path):
     assert_one_line_error(tvmbert("trace", str(tmp_path)), "gpt2", "BERT-like")
 
 
+def test_a_folder_whose_settings_name_no_model_points_at_the_model_above(tvmbert, tmp_path):
+    """A sentence-transformers model's pooling folder has a config.json of its own."""
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 384}')
+    assert_one_line_error(tvmbert("trace", str(tmp_path / "1_Pooling")), "names no model_type", f"its parent '{tmp_path.resolve()}' is one")
+    (tmp_path / "config.json").write_text('{"word_embedding_dimension": 384}')
+    outcome = tvmbert("trace", str(tmp_path / "1_Pooling"))
+    assert_one_line_error(outcome, "names no model_type")
+    assert "parent" not in outcome.stderr
+
+
 def test_directory_without_weights(tvmbert, tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     assert_one_line_error(tvmbert("trace", str(tmp_path)), "no weights")

@@ -116,6 +116,10 @@ def resolve(name: str, seed: int = 0, task: str | None = None, allow_random_weig
     if not isinstance(config_json, dict):
         raise InputError(f"{config_file}: not a JSON object of settings (it holds a {type(config_json).__name__})")
     model_type = config_json.get("model_type")
+    if model_type is None:
+        parent = path.resolve().parent
+        hint = f"; its parent '{parent}' is one" if (parent / "config.json").is_file() and _names_a_family(parent / "config.json") else ""
+        raise InputError(f"'{name}' is not a transformers model directory: its config.json names no model_type{hint}")
     if model_type not in FAMILIES:
         raise InputError(
             f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(FAMILIES)}"
@@ -144,6 +148,16 @@ def resolve(name: str, seed: int = 0, task: str | None = None, allow_random_weig
 def _task_suffix(task: str) -> str:
     """Artifacts of a head apart from the bare encoder's (their key names the task)."""
     return "" if task == DEFAULT_TASK else f"-{task}"
+
+
+def _names_a_family(config_file: Path) -> bool:
+    """Whether ``config_file`` is a model's settings for one of our families (a sentence-transformers
+    model keeps its modules' settings in folders below the model's own)."""
+    try:
+        settings = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(settings, dict) and settings.get("model_type") in FAMILIES
 
 
 def _task_from_architectures(name: str, config_json: dict, family: Family) -> str:
