@@ -3,7 +3,13 @@ instrument hook, each kernel's median over the runs, grouped by what it is (int8
 attention, layer norm, ...), so that a speed-up is looked for where the time is, on the CPU at hand. Shares are of the median
 total, each a median itself: they need not add up to 100%.
 
+With several dtypes (``--dtype float32,int8``) each is built, and the builds are called in turn in
+one process, a call of each per round, so that a shared machine's load falls on all of them alike;
+the kinds then stand side by side, with the first dtype's time over each other's: what int8 buys
+over fp32, and where it does not.
+
     python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype int8 [--threads 2] [--top 15]
+    python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype float32,int8
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="one dtype, or several, comma-separated, called in turn")
     parser.add_argument("--target", default="llvm")
     parser.add_argument("--workdir", default="build")
     parser.add_argument("--threads", type=int, default=2)
@@ -42,13 +48,14 @@ def main() -> None:
     from tvmbert.deploy.compiled import CompiledModel
     from tvmbert.stages.bench.timing import set_threads
 
-    job = Job(JobConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, dtype=args.dtype, target=args.target,
-                        workdir=args.workdir))
-    model = CompiledModel(build(job), job)
+    dtypes = args.dtype.split(",")
+    builds, target = {}, None
+    for dtype in dtypes:
+        job = Job(JobConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, dtype=dtype, target=args.target,
+                            workdir=args.workdir))
+        model = CompiledModel(build(job), job)
+        builds[dtype], target = (model, model.to_device([t.numpy() for t in job.inputs.as_tuple()])), job.target.key
     set_threads(args.threads)
-    inputs = model.to_device([t.numpy() for t in job.inputs.as_tuple()])
-    for _ in range(3):
-        model.run_on_device(inputs)
     # TVM 0.27's VM has no profiler: time each call from the VM's instrument hook (CPU calls are
     # synchronous). The hook's own cost, about 1 us a call, is inside each time: ~1% of bert-base's.
     run: dict[str, float] = collections.defaultdict(float)
@@ -61,30 +68,59 @@ def main() -> None:
             run[str(name)] += (time.perf_counter() - started.pop()) * 1e6
         return 0
 
-    model.vm.set_instrument(instrument)
-    per_kernel: dict[str, list[float]] = collections.defaultdict(list)
-    totals, walls = [], []
+    for model, inputs in builds.values():
+        for _ in range(3):
+            model.run_on_device(inputs)
+        model.vm.set_instrument(instrument)
+    per_kernel = {dtype: collections.defaultdict(list) for dtype in dtypes}
+    per_kind = {dtype: collections.defaultdict(list) for dtype in dtypes}
+    totals, walls = collections.defaultdict(list), collections.defaultdict(list)
     for _ in range(args.runs):
-        run.clear()
-        wall = time.perf_counter()
-        model.run_on_device(inputs)
-        walls.append(time.perf_counter() - wall)
-        for name, us in run.items():
-            per_kernel[name].append(us)
-        totals.append(sum(run.values()))
-    medians = {name: float(np.median(us)) for name, us in per_kernel.items()}
-    total = float(np.median(totals))
-    print(f"{args.model} {args.dtype} {args.batch} x {args.seq_len}, {args.threads} threads, {job.target.key}: "
-          f"kernels sum to {total / 1e3:.2f} ms of {1e3 * float(np.median(walls)):.2f} (medians of {args.runs} instrumented runs)")
-    by_kind: dict[str, float] = collections.defaultdict(float)
-    for name, us in medians.items():
-        by_kind[kind_of(name)] += us
-    for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]):
-        print(f"  {kind:28s} {us / 1e3:9.2f} ms {100 * us / total:5.1f}%")
-    print(f"{'kernel':64s} {'ms':>8s} {'share':>6s}")
-    for name, us in sorted(medians.items(), key=lambda item: -item[1])[: args.top]:
-        label = re.sub(r"^vm\.builtin\.", "", name)[:64]
-        print(f"{label:64s} {us / 1e3:8.2f} {100 * us / total:5.1f}%")
+        for dtype, (model, inputs) in builds.items():
+            run.clear()
+            wall = time.perf_counter()
+            model.run_on_device(inputs)
+            walls[dtype].append(time.perf_counter() - wall)
+            kinds: dict[str, float] = collections.defaultdict(float)
+            for name, us in run.items():
+                per_kernel[dtype][name].append(us)
+                kinds[kind_of(name)] += us
+            for kind, us in kinds.items():
+                per_kind[dtype][kind].append(us)
+            totals[dtype].append(sum(run.values()))
+
+    for dtype in dtypes:
+        total = float(np.median(totals[dtype]))
+        print(f"{args.model} {dtype} {args.batch} x {args.seq_len}, {args.threads} threads, {target}: "
+              f"kernels sum to {total / 1e3:.2f} ms of {1e3 * float(np.median(walls[dtype])):.2f} (medians of {args.runs} instrumented runs)")
+        for kind, us in sorted(((kind, float(np.median(us))) for kind, us in per_kind[dtype].items()), key=lambda item: -item[1]):
+            print(f"  {kind:28s} {us / 1e3:9.2f} ms {100 * us / total:5.1f}%")
+        print(f"{'kernel':64s} {'ms':>8s} {'share':>6s}")
+        medians = {name: float(np.median(us)) for name, us in per_kernel[dtype].items()}
+        for name, us in sorted(medians.items(), key=lambda item: -item[1])[: args.top]:
+            label = re.sub(r"^vm\.builtin\.", "", name)[:64]
+            print(f"{label:64s} {us / 1e3:8.2f} {100 * us / total:5.1f}%")
+    if len(dtypes) > 1:
+        _side_by_side(dtypes, per_kind, totals, walls)
+
+
+def _side_by_side(dtypes, per_kind, totals, walls) -> None:
+    """Each kind's median ms under every dtype, and the first dtype's over each other's; the weight
+    matmuls also together, whichever kernels run them."""
+    import numpy as np
+
+    def median_ms(values):
+        return float(np.median(values)) / 1e3 if values else 0.0
+
+    first, others = dtypes[0], dtypes[1:]
+    rows = {"wall": {d: 1e6 * median_ms(walls[d]) for d in dtypes}, "kernels": {d: median_ms(totals[d]) for d in dtypes}}
+    rows["weight matmuls"] = {d: sum(median_ms(us) for kind, us in per_kind[d].items() if kind.startswith("matmul")) for d in dtypes}
+    for kind in sorted({kind for d in dtypes for kind in per_kind[d]}):
+        rows[kind] = {d: median_ms(per_kind[d].get(kind, [])) for d in dtypes}
+    print(f"\n{'':28s}" + "".join(f" {d + ' ms':>14s}" for d in dtypes) + "".join(f" {first + ' / ' + d:>18s}" for d in others))
+    for label, ms in rows.items():
+        ratios = "".join(f" {ms[first] / ms[d]:18.3f}" if ms[d] and ms[first] else f" {'':18s}" for d in others)
+        print(f"{label:28s}" + "".join(f" {ms[d]:14.2f}" for d in dtypes) + ratios)
 
 
 if __name__ == "__main__":
