@@ -1,12 +1,13 @@
 """Where one inference's time goes: each kernel call of a build timed from the Relax VM's
-instrument hook, each kernel's median over the runs, grouped by what it is (int8 or AMX matmul,
-attention, layer norm, ...), so that a speed-up is looked for where the time is, on the CPU at hand. Shares are of the median
-total, each a median itself: they need not add up to 100%.
+instrument hook, so that a speed-up is looked for where the time is, on the CPU at hand. Each
+kernel's median over the runs, and each kind's (int8 or AMX matmul, attention, layer norm, ...):
+the median of its per-run sums. Shares are of the median total, each a median itself: they need
+not add up to 100%.
 
 With several dtypes (``--dtype float32,int8``) each is built, and the builds are called in turn in
-one process, a call of each per round, so that a shared machine's load falls on all of them alike;
-the kinds then stand side by side, with the first dtype's time over each other's: what int8 buys
-over fp32, and where it does not.
+one process, a call of each per round (every other round in reverse), so that a shared machine's
+load falls on all of them alike; the kinds then stand side by side, with the first dtype's time
+over each other's: what int8 buys over fp32, and where it does not.
 
     python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype int8 [--threads 2] [--top 15]
     python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype float32,int8
@@ -20,9 +21,12 @@ import re
 import time
 
 # What a kernel's name says it is, first match wins (the passes name their kernels).
-KINDS = (("quantize rows", r"quantize"), ("matmul int8 / amx", r"int8|amx"), ("matmul fp32", r"fma|matmul|dense"), ("attention", r"attention|softmax"),
-         ("layer norm", r"layer_norm"), ("embeddings", r"take|embed"),
+KINDS = (("quantize rows", r"quantize"), ("matmul int8 / amx", r"int8|amx"), ("matmul fp32", r"fma|matmul|dense"),
+         ("attention", r"attention|softmax"), ("layer norm", r"layer_norm"), ("embeddings", r"take|embed"),
          ("vm builtins", r"^vm\."))
+
+
+WEIGHT_MATMULS = "weight matmuls"  # the matmul kinds' sum, run by run
 
 
 def kind_of(name: str) -> str:
@@ -48,13 +52,14 @@ def main() -> None:
     from tvmbert.deploy.compiled import CompiledModel
     from tvmbert.stages.bench.timing import set_threads
 
-    dtypes = args.dtype.split(",")
-    builds, target = {}, None
+    dtypes = list(dict.fromkeys(dtype.strip() for dtype in args.dtype.split(",") if dtype.strip()))
+    builds = {}
     for dtype in dtypes:
         job = Job(JobConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, dtype=dtype, target=args.target,
                             workdir=args.workdir))
         model = CompiledModel(build(job), job)
-        builds[dtype], target = (model, model.to_device([t.numpy() for t in job.inputs.as_tuple()])), job.target.key
+        builds[dtype] = (model, model.to_device([t.numpy() for t in job.inputs.as_tuple()]))
+    target = job.target.key
     set_threads(args.threads)
     # TVM 0.27's VM has no profiler: time each call from the VM's instrument hook (CPU calls are
     # synchronous). The hook's own cost, about 1 us a call, is inside each time: ~1% of bert-base's.
@@ -75,8 +80,9 @@ def main() -> None:
     per_kernel = {dtype: collections.defaultdict(list) for dtype in dtypes}
     per_kind = {dtype: collections.defaultdict(list) for dtype in dtypes}
     totals, walls = collections.defaultdict(list), collections.defaultdict(list)
-    for _ in range(args.runs):
-        for dtype, (model, inputs) in builds.items():
+    for round_ in range(args.runs):
+        for dtype in dtypes[:: -1 if round_ % 2 else 1]:
+            model, inputs = builds[dtype]
             run.clear()
             wall = time.perf_counter()
             model.run_on_device(inputs)
@@ -87,13 +93,16 @@ def main() -> None:
                 kinds[kind_of(name)] += us
             for kind, us in kinds.items():
                 per_kind[dtype][kind].append(us)
+            per_kind[dtype][WEIGHT_MATMULS].append(sum(us for kind, us in kinds.items() if kind.startswith("matmul")))
             totals[dtype].append(sum(run.values()))
 
     for dtype in dtypes:
         total = float(np.median(totals[dtype]))
+        wall = 1e3 * float(np.median(walls[dtype]))
         print(f"{args.model} {dtype} {args.batch} x {args.seq_len}, {args.threads} threads, {target}: "
-              f"kernels sum to {total / 1e3:.2f} ms of {1e3 * float(np.median(walls[dtype])):.2f} (medians of {args.runs} instrumented runs)")
-        for kind, us in sorted(((kind, float(np.median(us))) for kind, us in per_kind[dtype].items()), key=lambda item: -item[1]):
+              f"kernels sum to {total / 1e3:.2f} ms of {wall:.2f} (medians of {args.runs} instrumented runs)")
+        kinds = ((kind, float(np.median(us))) for kind, us in per_kind[dtype].items() if kind != WEIGHT_MATMULS)
+        for kind, us in sorted(kinds, key=lambda item: -item[1]):
             print(f"  {kind:28s} {us / 1e3:9.2f} ms {100 * us / total:5.1f}%")
         print(f"{'kernel':64s} {'ms':>8s} {'share':>6s}")
         medians = {name: float(np.median(us)) for name, us in per_kernel[dtype].items()}
@@ -104,18 +113,17 @@ def main() -> None:
         _side_by_side(dtypes, per_kind, totals, walls)
 
 
-def _side_by_side(dtypes, per_kind, totals, walls) -> None:
-    """Each kind's median ms under every dtype, and the first dtype's over each other's; the weight
-    matmuls also together, whichever kernels run them."""
+def _side_by_side(dtypes: list[str], per_kind: dict, totals: dict, walls: dict) -> None:
+    """Each kind's median ms under every dtype, and the first dtype's over each other's. The weight
+    matmuls also as one kind, whichever kernels run them: an int8 build's are not fp32's kinds."""
     import numpy as np
 
-    def median_ms(values):
-        return float(np.median(values)) / 1e3 if values else 0.0
+    def median_ms(microseconds):
+        return float(np.median(microseconds)) / 1e3 if microseconds else 0.0
 
     first, others = dtypes[0], dtypes[1:]
-    rows = {"wall": {d: 1e6 * median_ms(walls[d]) for d in dtypes}, "kernels": {d: median_ms(totals[d]) for d in dtypes}}
-    rows["weight matmuls"] = {d: sum(median_ms(us) for kind, us in per_kind[d].items() if kind.startswith("matmul")) for d in dtypes}
-    for kind in sorted({kind for d in dtypes for kind in per_kind[d]}):
+    rows = {"wall": {d: 1e3 * float(np.median(walls[d])) for d in dtypes}, "kernels": {d: median_ms(totals[d]) for d in dtypes}}
+    for kind in [WEIGHT_MATMULS, *sorted({kind for d in dtypes for kind in per_kind[d]} - {WEIGHT_MATMULS})]:
         rows[kind] = {d: median_ms(per_kind[d].get(kind, [])) for d in dtypes}
     print(f"\n{'':28s}" + "".join(f" {d + ' ms':>14s}" for d in dtypes) + "".join(f" {first + ' / ' + d:>18s}" for d in others))
     for label, ms in rows.items():

@@ -117,9 +117,9 @@ def resolve(name: str, seed: int = 0, task: str | None = None, allow_random_weig
         raise InputError(f"{config_file}: not a JSON object of settings (it holds a {type(config_json).__name__})")
     model_type = config_json.get("model_type")
     if model_type is None:
-        parent = path.resolve().parent
-        hint = f"; its parent '{parent}' is one" if (parent / "config.json").is_file() and _names_a_family(parent / "config.json") else ""
-        raise InputError(f"'{name}' is not a transformers model directory: its config.json names no model_type{hint}")
+        parent = Path(os.path.abspath(path)).parent  # the folder above as typed, not a link's target's
+        hint = f"; did you mean its parent '{parent}'?" if _names_a_family(parent / "config.json") else ""
+        raise InputError(f"'{name}': config.json names no model_type (tvmbert reads the family from it, e.g. \"bert\"){hint}")
     if model_type not in FAMILIES:
         raise InputError(
             f"'{name}' holds a '{model_type}' model; tvmbert handles BERT-like encoders: {', '.join(FAMILIES)}"
