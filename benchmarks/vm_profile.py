@@ -96,37 +96,32 @@ def main() -> None:
             per_kind[dtype][WEIGHT_MATMULS].append(sum(us for kind, us in kinds.items() if kind.startswith("matmul")))
             totals[dtype].append(sum(run.values()))
 
+    # Each dtype's medians in ms, once: the wall time, the kernels' sum, then each kind's.
+    summary = {dtype: {"wall": 1e3 * float(np.median(walls[dtype])), "kernels": float(np.median(totals[dtype])) / 1e3,
+                       **{kind: float(np.median(us)) / 1e3 for kind, us in per_kind[dtype].items()}} for dtype in dtypes}
     for dtype in dtypes:
-        total = float(np.median(totals[dtype]))
-        wall = 1e3 * float(np.median(walls[dtype]))
+        ms = summary[dtype]
         print(f"{args.model} {dtype} {args.batch} x {args.seq_len}, {args.threads} threads, {target}: "
-              f"kernels sum to {total / 1e3:.2f} ms of {wall:.2f} (medians of {args.runs} instrumented runs)")
-        kinds = ((kind, float(np.median(us))) for kind, us in per_kind[dtype].items() if kind != WEIGHT_MATMULS)
-        for kind, us in sorted(kinds, key=lambda item: -item[1]):
-            print(f"  {kind:28s} {us / 1e3:9.2f} ms {100 * us / total:5.1f}%")
+              f"kernels sum to {ms['kernels']:.2f} ms of {ms['wall']:.2f} (medians of {args.runs} instrumented runs)")
+        for kind in sorted(per_kind[dtype].keys() - {WEIGHT_MATMULS}, key=lambda kind: -ms[kind]):
+            print(f"  {kind:28s} {ms[kind]:9.2f} ms {100 * ms[kind] / ms['kernels']:5.1f}%")
         print(f"{'kernel':64s} {'ms':>8s} {'share':>6s}")
-        medians = {name: float(np.median(us)) for name, us in per_kernel[dtype].items()}
-        for name, us in sorted(medians.items(), key=lambda item: -item[1])[: args.top]:
+        medians = {name: float(np.median(us)) / 1e3 for name, us in per_kernel[dtype].items()}
+        for name, kernel_ms in sorted(medians.items(), key=lambda item: -item[1])[: args.top]:
             label = re.sub(r"^vm\.builtin\.", "", name)[:64]
-            print(f"{label:64s} {us / 1e3:8.2f} {100 * us / total:5.1f}%")
+            print(f"{label:64s} {kernel_ms:8.2f} {100 * kernel_ms / ms['kernels']:5.1f}%")
     if len(dtypes) > 1:
-        _side_by_side(dtypes, per_kind, totals, walls)
+        _side_by_side(dtypes, summary)
 
 
-def _side_by_side(dtypes: list[str], per_kind: dict, totals: dict, walls: dict) -> None:
-    """Each kind's median ms under every dtype, and the first dtype's over each other's. The weight
+def _side_by_side(dtypes: list[str], summary: dict[str, dict[str, float]]) -> None:
+    """Each row's median ms under every dtype, and the first dtype's over each other's. The weight
     matmuls also as one kind, whichever kernels run them: an int8 build's are not fp32's kinds."""
-    import numpy as np
-
-    def median_ms(microseconds):
-        return float(np.median(microseconds)) / 1e3 if microseconds else 0.0
-
     first, others = dtypes[0], dtypes[1:]
-    rows = {"wall": {d: 1e3 * float(np.median(walls[d])) for d in dtypes}, "kernels": {d: median_ms(totals[d]) for d in dtypes}}
-    for kind in [WEIGHT_MATMULS, *sorted({kind for d in dtypes for kind in per_kind[d]} - {WEIGHT_MATMULS})]:
-        rows[kind] = {d: median_ms(per_kind[d].get(kind, [])) for d in dtypes}
+    kinds = {kind for dtype in dtypes for kind in summary[dtype]} - {"wall", "kernels", WEIGHT_MATMULS}
     print(f"\n{'':28s}" + "".join(f" {d + ' ms':>14s}" for d in dtypes) + "".join(f" {first + ' / ' + d:>18s}" for d in others))
-    for label, ms in rows.items():
+    for label in ["wall", "kernels", WEIGHT_MATMULS, *sorted(kinds)]:
+        ms = {dtype: summary[dtype].get(label, 0.0) for dtype in dtypes}
         ratios = "".join(f" {ms[first] / ms[d]:18.3f}" if ms[d] and ms[first] else f" {'':18s}" for d in others)
         print(f"{label:28s}" + "".join(f" {ms[d]:14.2f}" for d in dtypes) + ratios)
 
