@@ -21,8 +21,8 @@ import re
 import time
 
 # What a kernel's name says it is, first match wins (the passes name their kernels).
-KINDS = (("quantize rows", r"quantize"), ("matmul int8 / amx", r"int8|amx"), ("matmul fp32", r"fma|matmul|dense"),
-         ("attention", r"attention|softmax"), ("layer norm", r"layer_norm"), ("embeddings", r"take|embed"),
+KINDS = (("quantize rows", r"quantize"), ("attention", r"attention|softmax"), ("matmul int8 / amx", r"int8|amx"),
+         ("matmul fp32", r"fma|matmul|dense"), ("layer norm", r"layer_norm"), ("embeddings", r"take|embed"),
          ("vm builtins", r"^vm\."))
 
 

@@ -178,3 +178,54 @@ def test_panel_major_operands_give_the_row_major_result(lanes, head_per_panel):
     np.testing.assert_array_equal(results[1], results[0])
     q, k, v = (_heads(rows_major, batch, seq, heads, dim, at) for _, at in sources)
     np.testing.assert_allclose(results[1], _reference(q, k, v, mask, 0.125).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
+
+
+def _bf16(values):
+    """float32 rounded to bf16, half to even, kept in float32."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 64), (1, 2, 64, 32)])
+@pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
+@pytest.mark.parametrize("layout", ["fused", "separate", "packed"])
+@pytest.mark.parametrize("spread", [1.0, 4.0])
+def test_amx_attention_rounds_only_the_probabilities_and_values_to_bf16(batch, heads, seq, dim, mask_shape, layout, spread):
+    """The AMX kernel against float64 with P and V rounded to bf16, as its P V takes them. Its
+    scores (three bf16 products: Qh Kh + Qh Kl + Ql Kh) are fp32's: with operands spread 4x the
+    scores reach +-30 and a peaked softmax, where bf16 scores alone miss this bound 3-7-fold."""
+    import tvm
+
+    rng = np.random.default_rng(4)
+    width = heads * dim
+    tokens = batch * seq - 5 if layout == "packed" else None
+    columns = (rng.standard_normal((tokens or batch * seq, 3 * width + 16), dtype=np.float32) * spread)
+    sources = [(3 * width + 16, 16 + i * width) for i in range(3)]
+    operands = [columns] * 3
+    if layout == "separate":
+        operands = [np.ascontiguousarray(columns[:, offset:offset + width]) for _, offset in sources]
+        sources = [(width, 0)] * 3
+    rows = rng.integers(0, tokens, batch * seq).astype(np.int64) if tokens else np.zeros(1, "int32")
+    grid = [a[rows] if tokens else a for a in operands]  # [batch * seq, C]: what the padded build would read
+    q, k, v = (_heads(a, batch, seq, heads, dim, offset) for a, (_, offset) in zip(grid, sources))
+    mask = None
+    if mask_shape:
+        shape = (batch, 1, 1, seq) if mask_shape == "keys" else (batch, 1, seq, seq)
+        mask = np.where(rng.random(shape) < 0.3, MASKED, 0).astype(np.float32)
+        mask[..., 0] = 0
+    function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape if mask is not None else None, 0.125, tokens)
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (*operands, mask if mask is not None else np.zeros(1, "float32"), rows)), y)
+    scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) * 0.125 + (mask if mask is not None else 0)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = (_bf16(weights).astype(np.float64) @ _bf16(v)) / weights.sum(-1, keepdims=True)
+    # a probability whose fp32 exp lies 1 ulp from float64's may round to the neighbouring bf16: 2^-8 of it
+    np.testing.assert_allclose(y.numpy(), expected.transpose(0, 2, 1, 3), atol=2 ** -8 * np.abs(v).max(), rtol=0)
+    assert "tdpbf16ps" in library.mod.inspect_source("asm")
+
+
+def test_amx_attention_takes_whole_blocks_of_tiles():
+    assert attention.amx_bf16_fits(128, 64, 16) and attention.amx_bf16_fits(32, 32, 16)
+    assert not attention.amx_bf16_fits(48, 64, 16) and not attention.amx_bf16_fits(32, 16, 16) and not attention.amx_bf16_fits(32, 64, 8)

@@ -339,6 +339,29 @@ def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert
     assert "amx_kernels" not in meta and meta["int8_instructions"]["vpdpbusd"] > 0 and meta["int8_instructions"]["tdpbusd"] == 0
 
 
+
+def test_int8_attention_for_an_amx_cpu_runs_on_bf16_tiles(tvmbert, workdir):
+    """Compiled only (the kernel's numerics: test_attention.py, on AMX hosts): with AMX, an int8
+    build's attention runs its matmuls on ``tdpbf16ps``; without AMX-BF16 it stays on fp32 vectors."""
+    target = "llvm -mcpu=sapphirerapids"
+    outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--seq-len", "32", "--target", target, "--json")
+    assert outcome.code == 0, outcome.stderr
+    meta = build_meta(workdir, "b1-s32-int8", target=target)
+    assert meta["attention_kernels"] == ["attention_1x2x32x64_masked_amx_bf16"]
+    assert meta["attention_kernels"][0] in meta["amx_kernels"] and meta["amx_instructions"]["tdpbf16ps"] > 0
+    outcome = tvmbert("optimize", "bert-tiny", "--dtype", "int8", "--seq-len", "32", "--target", target + " -mattr=-amx-bf16", "--json")
+    assert outcome.code == 0, outcome.stderr
+    attentions = [name for name in outcome.json["ops_after"] if name.startswith("tir:attention")]
+    assert attentions and not any("amx" in name for name in attentions)
+
+
+@pytest.mark.amx_int8
+def test_bert_tiny_in_int8_on_amx_verifies_with_its_attention_on_bf16_tiles(tvmbert, workdir):
+    outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--batch", "2", "--seq-len", "32", "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["passed"] and outcome.json["max_abs_diff"] < 0.05
+    assert build_meta(workdir, "b2-s32-int8")["attention_kernels"] == ["attention_2x2x32x64_masked_amx_bf16"]
+
 def test_an_int8_package_for_an_amx_cpu_asks_for_the_tiles_before_it_loads(workdir, tmp_path):
     """Compiled only: its manifest counts the AMX kernels, which is what makes tvmbert.load ask Linux
     for AMX's tile state first (on a CPU without it, the package is refused before that)."""

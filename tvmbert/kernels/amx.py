@@ -37,14 +37,14 @@ INSTRUCTIONS = ("tdpbf16ps", INT8_INSTRUCTION)  # what the kernels' assembly hol
 ACTIVATIONS = {"relax.nn.gelu": gelu_float32}  # applied as a block is stored (the FFN's GELU)
 
 
-def _amx(name: str, *args):
+def tile_instruction(name: str, *args):
     """TIR: a call of LLVM's AMX intrinsic ``llvm.x86.<name>`` (tile numbers as int8 immediates)."""
     from tvm.script import tirx as T
 
     return T.call_llvm_intrin("void", T.llvm_lookup_intrinsic_id(f"llvm.x86.{name}"), *args)
 
 
-def _tile_configuration():
+def tile_configuration():
     """A TIR macro loading the configuration both kernels run with: palette 1, eight tiles of 16
     rows x 64 bytes (tmm0-3 the accumulators, tmm4-5 the rows, tmm6-7 the weights)."""
     from tvm.script import tirx as T
@@ -58,7 +58,7 @@ def _tile_configuration():
         for t in range(8):
             cfg[16 + 2 * t] = T.uint8(64)
             cfg[48 + t] = T.uint8(16)
-        T.evaluate(_amx("ldtilecfg", T.address_of(cfg[0])))
+        T.evaluate(tile_instruction("ldtilecfg", T.address_of(cfg[0])))
 
     return configure_tiles
 
@@ -97,7 +97,7 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
     chunk = _row_chunk(row_blocks, TILE * k * 2, row_chunk_bytes)
 
-    configure_tiles = _tile_configuration()
+    configure_tiles = tile_configuration()
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
 
     @T.prim_func(s_tir=True)
@@ -119,30 +119,30 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                         block = T.alloc_buffer((32, 32), "float32", scope="local")  # the 2 x 2 tiles, stored
                         for mi in range(chunk):
                             row = (mc * chunk + mi) * 32
-                            T.evaluate(_amx("tilezero", T.int8(0)))
-                            T.evaluate(_amx("tilezero", T.int8(1)))
-                            T.evaluate(_amx("tilezero", T.int8(2)))
-                            T.evaluate(_amx("tilezero", T.int8(3)))
+                            T.evaluate(tile_instruction("tilezero", T.int8(0)))
+                            T.evaluate(tile_instruction("tilezero", T.int8(1)))
+                            T.evaluate(tile_instruction("tilezero", T.int8(2)))
+                            T.evaluate(tile_instruction("tilezero", T.int8(3)))
                             for kb in range(k_blocks):
-                                T.evaluate(_amx("tileloadd64", T.int8(4), T.address_of(xu[row, kb * 32]), T.int64(lda)))
-                                T.evaluate(_amx("tileloadd64", T.int8(5), T.address_of(xu[row + 16, kb * 32]), T.int64(lda)))
-                                T.evaluate(_amx("tileloadd64", T.int8(6), T.address_of(wu[nb * 2, kb * 16, 0]), T.int64(64)))
-                                T.evaluate(_amx("tileloadd64", T.int8(7), T.address_of(wu[nb * 2 + 1, kb * 16, 0]), T.int64(64)))
-                                T.evaluate(_amx("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
-                                T.evaluate(_amx("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
-                                T.evaluate(_amx("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
-                                T.evaluate(_amx("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
-                            T.evaluate(_amx("tilestored64", T.int8(0), T.address_of(block[0, 0]), T.int64(128)))
-                            T.evaluate(_amx("tilestored64", T.int8(1), T.address_of(block[0, 16]), T.int64(128)))
-                            T.evaluate(_amx("tilestored64", T.int8(2), T.address_of(block[16, 0]), T.int64(128)))
-                            T.evaluate(_amx("tilestored64", T.int8(3), T.address_of(block[16, 16]), T.int64(128)))
+                                T.evaluate(tile_instruction("tileloadd64", T.int8(4), T.address_of(xu[row, kb * 32]), T.int64(lda)))
+                                T.evaluate(tile_instruction("tileloadd64", T.int8(5), T.address_of(xu[row + 16, kb * 32]), T.int64(lda)))
+                                T.evaluate(tile_instruction("tileloadd64", T.int8(6), T.address_of(wu[nb * 2, kb * 16, 0]), T.int64(64)))
+                                T.evaluate(tile_instruction("tileloadd64", T.int8(7), T.address_of(wu[nb * 2 + 1, kb * 16, 0]), T.int64(64)))
+                                T.evaluate(tile_instruction("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
+                                T.evaluate(tile_instruction("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
+                                T.evaluate(tile_instruction("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
+                                T.evaluate(tile_instruction("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
+                            T.evaluate(tile_instruction("tilestored64", T.int8(0), T.address_of(block[0, 0]), T.int64(128)))
+                            T.evaluate(tile_instruction("tilestored64", T.int8(1), T.address_of(block[0, 16]), T.int64(128)))
+                            T.evaluate(tile_instruction("tilestored64", T.int8(2), T.address_of(block[16, 0]), T.int64(128)))
+                            T.evaluate(tile_instruction("tilestored64", T.int8(3), T.address_of(block[16, 16]), T.int64(128)))
                             for i in range(32):
                                 for j in T.vectorized(32):
                                     if residual:
                                         yf[row + i, nb * 32 + j] = T.Cast(out_dtype, block[i, j] + b[nb * 32 + j] + rf[row + i, nb * 32 + j])
                                     else:
                                         yf[row + i, nb * 32 + j] = T.Cast(out_dtype, epilogue(block[i, j] + b[nb * 32 + j]))
-                        T.evaluate(_amx("tilerelease"))
+                        T.evaluate(tile_instruction("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
     return amx_matmul
@@ -186,24 +186,24 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     panels, k_steps = n // TILE, k // INT8_K_STEP
     panel_stride = TILE * 4  # bytes from one k quad of a panel to the next
     chunk = _row_chunk(whole_blocks, TILE * k, row_chunk_bytes)
-    configure_tiles = _tile_configuration()
+    configure_tiles = tile_configuration()
 
     @T.macro
     def row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, row, halves):
         # halves: 2 for a whole block (accumulators tmm0-3, rows tmm4-5), 1 for its first 16 rows
         for tile in T.unroll(2 * halves):
-            T.evaluate(_amx("tilezero", T.int8(tile)))
+            T.evaluate(tile_instruction("tilezero", T.int8(tile)))
         for ks in range(k_steps):
             for half in T.unroll(halves):
-                T.evaluate(_amx("tileloadd64", T.int8(4 + half), T.address_of(x[row + 16 * half, ks * INT8_K_STEP]), T.int64(k)))
-            T.evaluate(_amx("tileloadd64", T.int8(6), T.address_of(wq[p, ks * 16, 0]), T.int64(panel_stride)))
-            T.evaluate(_amx("tileloadd64", T.int8(7), T.address_of(wq[p, ks * 16, 64]), T.int64(panel_stride)))
+                T.evaluate(tile_instruction("tileloadd64", T.int8(4 + half), T.address_of(x[row + 16 * half, ks * INT8_K_STEP]), T.int64(k)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(6), T.address_of(wq[p, ks * 16, 0]), T.int64(panel_stride)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(7), T.address_of(wq[p, ks * 16, 64]), T.int64(panel_stride)))
             for half in T.unroll(halves):
-                T.evaluate(_amx("tdpbusd", T.int8(2 * half), T.int8(4 + half), T.int8(6)))
-                T.evaluate(_amx("tdpbusd", T.int8(2 * half + 1), T.int8(4 + half), T.int8(7)))
+                T.evaluate(tile_instruction("tdpbusd", T.int8(2 * half), T.int8(4 + half), T.int8(6)))
+                T.evaluate(tile_instruction("tdpbusd", T.int8(2 * half + 1), T.int8(4 + half), T.int8(7)))
         for half in T.unroll(halves):
-            T.evaluate(_amx("tilestored64", T.int8(2 * half), T.address_of(block[16 * half, 0]), T.int64(TILE * 4)))
-            T.evaluate(_amx("tilestored64", T.int8(2 * half + 1), T.address_of(block[16 * half, 16]), T.int64(TILE * 4)))
+            T.evaluate(tile_instruction("tilestored64", T.int8(2 * half), T.address_of(block[16 * half, 0]), T.int64(TILE * 4)))
+            T.evaluate(tile_instruction("tilestored64", T.int8(2 * half + 1), T.address_of(block[16 * half, 16]), T.int64(TILE * 4)))
         for i in range(16 * halves):
             if row + i < m:
                 for j in T.vectorized(TILE):
@@ -232,13 +232,13 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                         block = T.alloc_buffer((TILE, TILE), "int32", scope="local")  # the accumulator tiles, stored
                         for mi in range(chunk):
                             row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, (mc * chunk + mi) * TILE, 2)
-                        T.evaluate(_amx("tilerelease"))
+                        T.evaluate(tile_instruction("tilerelease"))
                 if half_block:
                     for p in T.parallel(panels):
                         configure_tiles()
                         block = T.alloc_buffer((TILE, TILE), "int32", scope="local")
                         row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, 1)
-                        T.evaluate(_amx("tilerelease"))
+                        T.evaluate(tile_instruction("tilerelease"))
 
     assert isinstance(amx_int8_matmul, tvm.tirx.PrimFunc)
     return amx_int8_matmul

@@ -24,11 +24,72 @@ the weight matmuls are bf16 and the attention runs here too (8 x 128: 58 ms of g
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvmbert.kernels.fma import CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
 from tvmbert.kernels.scalar_math import exp_float32
 
 KERNEL_ATTR = "tvmbert.attention_f32"  # PrimFunc attribute marking the kernel (build counts them)
 ROWS = 4  # query rows per register tile
+AMX_BLOCK = 32  # rows and columns of the AMX kernel's blocks (2 x 2 tiles of 16 x 16 fp32), and its k step (32 bf16)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Where each kernel here finds sequence b's token s, head h, in Q, K, V and the mask: the
+    operands' layouts as ``kernel`` describes them."""
+
+    batch: int
+    heads: int
+    seq: int
+    dim: int
+    lanes: int
+    sources: tuple
+    mask_shape: tuple | None
+    tokens: int | None
+    panel: int
+
+    def __post_init__(self):
+        assert all(offset % self.lanes == 0 and (not self.panel or columns % self.panel == 0)
+                   for columns, offset in self.sources), self.sources
+        object.__setattr__(self, "mask_shape", tuple(self.mask_shape) if self.mask_shape else (1,))
+
+    @property
+    def masked(self) -> bool:
+        return len(self.mask_shape) == 4
+
+    @property
+    def rows_shape(self) -> tuple[int, ...]:
+        return (self.batch * self.seq,) if self.tokens is not None else (1,)
+
+    @property
+    def rows_dtype(self) -> str:
+        return "int64" if self.tokens is not None else "int32"
+
+    def operand_shape(self, columns: int) -> tuple[int, ...]:
+        operand_rows = self.tokens if self.tokens is not None else self.batch * self.seq
+        return (columns // self.panel, operand_rows, self.panel) if self.panel else (operand_rows, columns)
+
+    def row(self, rows, at):
+        """The operands' row of grid position ``at`` (b * seq + s)."""
+        from tvm.script import tirx as T
+
+        return T.Cast("int32", rows[at]) if self.tokens is not None else at
+
+    def at(self, operand, at_row, block, x):
+        """Element ``x`` of the ``block``-th ``lanes`` columns of row ``at_row``, in either layout."""
+        if self.panel:
+            return operand[block // (self.panel // self.lanes), at_row, block % (self.panel // self.lanes) * self.lanes + x]
+        return operand[at_row, block * self.lanes + x]
+
+    def head_row(self, operand, rows, which: int, bh, s, block, x):
+        """Element ``x`` of the ``block``-th lanes of head ``bh``'s row ``s`` in Q (0), K (1) or V (2)."""
+        offset = self.sources[which][1]
+        return self.at(operand, self.row(rows, bh // self.heads * self.seq + s), (offset + bh % self.heads * self.dim) // self.lanes + block, x)
+
+    def mask_at(self, mask, b, h, i, j):
+        index = [b, h, i, j]
+        return mask[tuple(0 if size == 1 else at for size, at in zip(self.mask_shape, index))]
 
 
 def vectors_per_tile(count: int, lanes: int) -> int:
@@ -56,32 +117,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     from tvm.script import tirx as T
 
     assert fits(seq, dim, lanes), (seq, dim, lanes)
-    (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = sources
-    assert all(offset % lanes == 0 and (not panel or columns % panel == 0) for columns, offset in sources), sources
+    grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
+    (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = grid.sources
     score_width = vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     width = max(score_width, out_width)
-    mask_shape = tuple(mask_shape) if mask_shape else (1,)
-    masked = len(mask_shape) == 4
-    scale_by = T.float32(scale if scale is not None else 1.0)
-    operand_rows = tokens if tokens is not None else batch * seq
-    rows_shape, rows_dtype = ((batch * seq,), "int64") if tokens is not None else ((1,), "int32")
-
-    def row(rows, at):  # the operands' row of grid position ``at`` (b * seq + s)
-        return T.Cast("int32", rows[at]) if tokens is not None else at
-
-    def at(operand, at_row, block, x):
-        """Element ``x`` of the ``block``-th ``lanes`` columns of row ``at_row``, in either layout."""
-        if panel:
-            return operand[block // (panel // lanes), at_row, block % (panel // lanes) * lanes + x]
-        return operand[at_row, block * lanes + x]
-
-    def operand_shape(columns):
-        return (columns // panel, operand_rows, panel) if panel else (operand_rows, columns)
-
-    def mask_at(mask, b, h, i, j):
-        index = [b, h, i, j]
-        return mask[tuple(0 if size == 1 else at for size, at in zip(mask_shape, index))]
+    mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
+    row, at, mask_at = grid.row, grid.at, grid.mask_at
 
     def across_lanes(partial, combine):
         """The lanes of ``partial`` combined as a tree: 4 dependent steps where a chain takes 15."""
@@ -153,9 +195,9 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[first + i]
 
     @T.prim_func(s_tir=True)
-    def attention(q: T.Buffer(operand_shape(q_columns), "float32"), k: T.Buffer(operand_shape(k_columns), "float32"),
-                  v: T.Buffer(operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
-                  rows: T.Buffer(rows_shape, rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
+    def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
+                  v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+                  rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("attention_tiles"):
@@ -224,6 +266,170 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                                 output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j)
                             output_store(y, totals, acc_top, bh, t * ROWS, c)
                             output_store(y, totals, acc_bottom, bh, t * ROWS + half, c)
+
+    assert isinstance(attention, tvm.tirx.PrimFunc)
+    return attention
+
+
+def amx_bf16_fits(seq: int, dim: int, lanes: int) -> bool:
+    """Whether ``amx_bf16_kernel`` takes a head: whole 32 x 32 blocks of tiles both ways."""
+    return lanes == 16 and seq % AMX_BLOCK == 0 and dim % AMX_BLOCK == 0
+
+
+def _bf16_high(value):
+    """TIR: ``value`` (fp32) rounded to bf16, half to even, in the high 16 bits of a uint32 (the
+    low bits zero): integer operations on whole vectors, where a cast to bf16 goes through TVM's
+    own legalization."""
+    from tvm.script import tirx as T
+
+    bits = T.reinterpret("uint32", value)
+    return (bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) & T.uint32(0xFFFF0000)
+
+
+def _bf16_rest(value):
+    """TIR: what rounding ``value`` to bf16 leaves (exact in fp32), itself rounded, as ``_bf16_high``."""
+    from tvm.script import tirx as T
+
+    return _bf16_high(value - T.reinterpret("float32", _bf16_high(value)))
+
+
+def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
+                    scale: float | None, tokens: int | None = None, panel: int = 0):
+    """``kernel``'s attention (same operands, same result) with its two matmuls on AMX-BF16
+    (``tdpbf16ps``, fp32 sums). Scores as fp32 gives them: Q and K split in a bf16 part and a bf16
+    rest, ``Qh Kh + Qh Kl + Ql Kh`` (three products on AMX cost less than converting them); bf16
+    scores alone moved all-MiniLM-L6-v2's int8 output 2.4 at a softmax near a tie, against 0.21
+    for fp32 attention. P V in bf16 (its error is linear: 2^-8 of a probability at most); scale,
+    mask, softmax and the division by the row's sum in fp32, as in ``kernel``.
+
+    For the int8 build on AMX, where the fp32 kernel took a quarter of bert-base's time at 8 x 128
+    (1.9 ms a layer alone, 1.3 here).
+
+    Per (sequence, head): Q and the probabilities as bf16 rows (row tiles, 32 values a row), K
+    and V as AMX's pairs (``Wp[K/2, N, 2]``: K^T's through 16 x 16 blocks in registers, V's by
+    interleaving pairs of rows), then 32 x 32 blocks of four accumulator tiles (tmm0-3), row
+    tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from tvmbert.kernels.amx import KERNEL_ATTR as AMX_KERNEL_ATTR
+    from tvmbert.kernels.amx import tile_configuration, tile_instruction
+
+    assert amx_bf16_fits(seq, dim, lanes), (seq, dim, lanes)
+    grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
+    (q_columns, _), (k_columns, _), (v_columns, _) = grid.sources
+    mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
+    configure_tiles = tile_configuration()
+    pairs = lanes // 2
+
+    def across_lanes(partial, combine):
+        values = [partial[x] for x in range(lanes)]
+        while len(values) > 1:
+            values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
+        return values[0]
+
+    @T.macro
+    def zero_block():
+        for tile in T.unroll(4):
+            T.evaluate(tile_instruction("tilezero", T.int8(tile)))
+
+    @T.macro
+    def block_product(a, a_row, a_stride, b, b_row, b_column, b_stride, steps):
+        """tmm0-3 += a[a_row .. + 32, :] @ b (pairs) over ``steps`` k steps of 32."""
+        for ks in range(steps):
+            T.evaluate(tile_instruction("tileloadd64", T.int8(4), T.address_of(a[a_row, ks * AMX_BLOCK]), T.int64(a_stride)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(5), T.address_of(a[a_row + 16, ks * AMX_BLOCK]), T.int64(a_stride)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(6), T.address_of(b[b_row + ks * 16, b_column]), T.int64(b_stride)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(7), T.address_of(b[b_row + ks * 16, b_column + 16]), T.int64(b_stride)))
+            T.evaluate(tile_instruction("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
+            T.evaluate(tile_instruction("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
+            T.evaluate(tile_instruction("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
+            T.evaluate(tile_instruction("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
+
+    @T.macro
+    def store_block(c, c_row, c_column, c_stride):
+        for tile in T.unroll(4):
+            T.evaluate(tile_instruction("tilestored64", T.int8(tile), T.address_of(c[c_row + tile // 2 * 16, c_column + tile % 2 * 16]),
+                                        T.int64(c_stride)))
+
+    @T.prim_func(s_tir=True)
+    def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
+                  v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+                  rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, AMX_KERNEL_ATTR: True, "op_pattern": 8})
+        with T.sblock("root"):
+            with T.sblock("attention_amx_tiles"):
+                T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows))
+                T.writes(whole(y))
+                for bh in T.parallel(batch * heads):
+                    configure_tiles()
+                    qb = T.alloc_buffer((seq, dim), "uint16")  # Q's rows in bf16
+                    ql = T.alloc_buffer((seq, dim), "uint16")  # and what that rounding left, in bf16
+                    kb = T.alloc_buffer((dim // 2, seq), "uint32")  # K^T's pairs: kb[d / 2, j] = K[j, d], K[j, d + 1]
+                    kl = T.alloc_buffer((dim // 2, seq), "uint32")  # and what rounding them left
+                    vb = T.alloc_buffer((seq // 2, dim), "uint32")  # V's pairs: vb[j / 2, d] = V[j, d], V[j + 1, d]
+                    scores = T.alloc_buffer((seq, seq), "float32")
+                    pb = T.alloc_buffer((seq, seq), "uint16")  # the probabilities (not yet divided by their sum) in bf16
+                    totals = T.alloc_buffer((seq,), "float32")
+                    out = T.alloc_buffer((AMX_BLOCK, AMX_BLOCK), "float32")
+                    partial = T.alloc_buffer((lanes,), "float32")
+                    block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
+                    row_max = T.alloc_buffer((1,), "float32")
+                    for s in range(seq):
+                        for d0 in range(dim // lanes):
+                            for x in T.vectorized(lanes):
+                                qb[s, d0 * lanes + x] = T.Cast("uint16", _bf16_high(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
+                                ql[s, d0 * lanes + x] = T.Cast("uint16", _bf16_rest(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
+                    for s2 in range(seq // 2):
+                        for d0 in range(dim // lanes):
+                            for x in T.vectorized(lanes):
+                                vb[s2, d0 * lanes + x] = _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2 + 1, d0, x)) | (
+                                    _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2, d0, x)) >> T.uint32(16))
+                    for j0 in range(seq // lanes):  # K in lanes x lanes blocks through registers, stored as pairs of its columns
+                        for d0 in range(dim // lanes):
+                            for r in T.unroll(lanes):
+                                for x in T.vectorized(lanes):
+                                    block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
+                            for c in T.unroll(pairs):
+                                for x in T.vectorized(lanes):
+                                    kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
+                                    kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
+                    for i0, j0 in T.grid(seq // AMX_BLOCK, seq // AMX_BLOCK):
+                        zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T: within a few fp32 ulps of a score's terms
+                        block_product(qb, i0 * AMX_BLOCK, dim * 2, kb, 0, j0 * AMX_BLOCK, seq * 4, dim // AMX_BLOCK)
+                        block_product(qb, i0 * AMX_BLOCK, dim * 2, kl, 0, j0 * AMX_BLOCK, seq * 4, dim // AMX_BLOCK)
+                        block_product(ql, i0 * AMX_BLOCK, dim * 2, kb, 0, j0 * AMX_BLOCK, seq * 4, dim // AMX_BLOCK)
+                        store_block(scores, i0 * AMX_BLOCK, j0 * AMX_BLOCK, seq * 4)
+                    # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
+                    for i in range(seq):
+                        for x in T.vectorized(lanes):
+                            partial[x] = T.float32(-3.4028234663852886e38)
+                        for c in range(seq // lanes):
+                            for x in T.vectorized(lanes):
+                                if masked:
+                                    scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by + grid.mask_at(
+                                        mask, bh // heads, bh % heads, i, c * lanes + x)
+                                else:
+                                    scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by
+                                partial[x] = T.max(partial[x], scores[i, c * lanes + x])
+                        row_max[0] = across_lanes(partial, T.max)
+                        for x in T.vectorized(lanes):
+                            partial[x] = T.float32(0)
+                        for c in range(seq // lanes):
+                            for x in T.vectorized(lanes):
+                                scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
+                                partial[x] = partial[x] + scores[i, c * lanes + x]
+                                pb[i, c * lanes + x] = T.Cast("uint16", _bf16_high(scores[i, c * lanes + x]) >> T.uint32(16))
+                        totals[i] = across_lanes(partial, lambda a, b: a + b)
+                    # y = P V / sum
+                    for i0, d0 in T.grid(seq // AMX_BLOCK, dim // AMX_BLOCK):
+                        zero_block()
+                        block_product(pb, i0 * AMX_BLOCK, seq * 2, vb, 0, d0 * AMX_BLOCK, dim * 4, seq // AMX_BLOCK)
+                        store_block(out, 0, 0, AMX_BLOCK * 4)
+                        for i in range(AMX_BLOCK):
+                            for x in T.vectorized(AMX_BLOCK):
+                                y[bh // heads, i0 * AMX_BLOCK + i, bh % heads, d0 * AMX_BLOCK + x] = out[i, x] / totals[i0 * AMX_BLOCK + i]
+                    T.evaluate(tile_instruction("tilerelease"))
 
     assert isinstance(attention, tvm.tirx.PrimFunc)
     return attention

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from tvmbert.kernels.attention import fits, kernel
+from tvmbert.kernels.attention import amx_bf16_fits, amx_bf16_kernel, fits, kernel
 
 
 class _Attention(NamedTuple):
@@ -230,13 +230,14 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
     return candidates
 
 
-def attention_rewrite(lanes: int):
+def attention_rewrite(lanes: int, amx_bf16: bool = False):
     """The module pass: each fp32 ``matmul(softmax(matmul(Q, K^T) [* or / scale] [+ mask]), V)``
     whose Q, K and V are head-major views of row-major [tokens, heads x dim] values (reshapes,
     transposes, the split of a fused projection; in a packed build, their gather into the
     [batch, seq] grid) becomes one call of the kernel on those values;
     the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
-    What else uses the views or the scores keeps them (dead code goes)."""
+    What else uses the views or the scores keeps them (dead code goes). With ``amx_bf16``, the
+    kernel's matmuls run on AMX-BF16 where its tiles fit (``kernels/attention.amx_bf16_kernel``)."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import dataflow, unread
@@ -262,9 +263,12 @@ def attention_rewrite(lanes: int):
             mask_shape = tuple(int(d) for d in found.mask.ty.shape) if found.mask is not None else None
             key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel)
             if key not in self.kernels:
-                function = kernel(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale, found.tokens, panel)
+                on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
+                function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
+                                                                     found.tokens, panel)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
-                    + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "")
+                    + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
+                    + ("_amx_bf16" if on_amx else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
