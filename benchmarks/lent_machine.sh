@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A lent GPU machine's CPU, in one call (../shared/gpu/README.md installs TVM into /tmp/site first):
+# A lent GPU machine's CPU, in one call (../shared/gpu/README.md installs TVM into /tmp/site first;
+# benchmarks/pack_openvino.sh says how OpenVINO and NNCF get there, for openvino-int8):
 # the checks and timings that need instruction sets our machines may lack (AMX, AVX512-VNNI).
-#   1. tests: the int8 and AMX tests, which run the AMX and VNNI kernels for real where the CPU has them
+#   1. tests: the int8, AMX and attention tests, which run the AMX and VNNI kernels for real where the CPU has them
 #   2. tvmbert bench MODEL in int8 against ort-int8 (and openvino-int8 where it was carried) at 8 x 128
 #      (on request: int8-b8-ort, the same without OpenVINO in the process; fp32-b8, tvm's fp32)
 #   3. benchmarks/vm_profile.py: where int8's time goes at 8 x 128, kernel by kernel
@@ -38,7 +39,7 @@ steps=" ${STEPS:-tests int8-b8 profile int8-b1 kernels} "  # 560 s at most; int8
 run() { [[ $steps == *" $1 "* ]]; }
 # openvino-int8 too where OpenVINO and NNCF were carried (the machine's image lacks them)
 engines=tvm,ort-int8$("$PY" -c "import openvino, nncf" 2>/dev/null && echo ,openvino-int8)
-run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -v -rfE -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py ${TESTS_K:+-k "$TESTS_K"}
+run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -v -rfE -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py tests/test_attention.py ${TESTS_K:+-k "$TESTS_K"}
 export TVM_NUM_THREADS=2
 bench=("$PY" -m tvmbert bench "$MODEL" --threads 2 --repeat 10 --min-time 2 --workdir "$WORK" --json)
 run int8-b8 && step int8-b8.json "${BENCH_S:-120}" "${bench[@]}" --dtype int8 --engines "$engines" --batch 8 --seq-len 128
