@@ -39,7 +39,10 @@ steps=" ${STEPS:-tests int8-b8 profile int8-b1 kernels} "  # 560 s at most; int8
 run() { [[ $steps == *" $1 "* ]]; }
 # openvino-int8 too where OpenVINO and NNCF were carried (the machine's image lacks them)
 engines=tvm,ort-int8$("$PY" -c "import openvino, nncf" 2>/dev/null && echo ,openvino-int8)
-run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -v -rfE -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py tests/test_attention.py ${TESTS_K:+-k "$TESTS_K"}
+# test_attention.py's AMX tests only: its fp32 ones would take the step's time (an Emerald Rapids: 95% done at 100 s with them all)
+amx_attention_tests=(tests/test_attention.py::test_amx_attention_matches_float64_within_bf16_probabilities_and_values
+                     tests/test_attention.py::test_amx_attention_averages_a_fully_masked_rows_values_as_pytorch_does)
+run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -v -rfE -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py "${amx_attention_tests[@]}" ${TESTS_K:+-k "$TESTS_K"}
 export TVM_NUM_THREADS=2
 bench=("$PY" -m tvmbert bench "$MODEL" --threads 2 --repeat 10 --min-time 2 --workdir "$WORK" --json)
 run int8-b8 && step int8-b8.json "${BENCH_S:-120}" "${bench[@]}" --dtype int8 --engines "$engines" --batch 8 --seq-len 128

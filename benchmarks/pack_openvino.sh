@@ -12,8 +12,10 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 OPENVINO=${OPENVINO:-$(.venv/bin/python -c "import openvino; print(openvino.__version__.split('-')[0])")}
 NNCF=${NNCF:-$(.venv/bin/python -c "import nncf; print(nncf.__version__)")}
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
 for d in .ov1 .ov2; do
-  grep -qxF "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >> .git/info/exclude
+  grep -qxF "/$d/" "$exclude" 2>/dev/null || echo "/$d/" >> "$exclude"
   rm -rf "$d"; mkdir -p "$d"
 done
 py=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)

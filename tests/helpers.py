@@ -48,6 +48,7 @@ QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0
 # bert-tiny's non-trivial tasks (4 to 12, as our kernels take its matmuls or not), 4 trials each: every
 # task gets a tuned schedule quickly.
 SMALL_TUNE = ("--trials", "48", "--trials-per-task", "4")
+ALIKE = ("--seq-len", "16")  # a shape every CPU's pipeline compiles alike (conftest's tuned_everywhere_alike)
 # Our kernels left out: the weight matmuls and layer norms are MetaSchedule's tasks on every CPU.
 NO_KERNELS = ("fma-fp32", "layer-norm-fp32")
 WITHOUT_KERNELS = tuple(arg for name in NO_KERNELS for arg in ("--disable", name))

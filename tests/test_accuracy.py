@@ -108,3 +108,28 @@ def test_verify_measures_a_pretrained_models_embeddings_on_real_sentences(tvmber
 def test_texts_without_a_tokenizer_are_one_clear_line(tvmbert):
     refused = tvmbert("verify", "bert-tiny", "--texts", "8")
     assert refused.code == 2 and "has none" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.simd
+@pytest.mark.parametrize("where, passes", [("padding", True), ("a real token", False)])
+def test_verify_compares_per_token_outputs_on_the_real_tokens(where, passes, workdir, monkeypatch):
+    """A padding position's output is read by no head and tvmbert.load cuts it: an error there
+    (int8 amplifies some at [PAD] rows) does not fail verify; one on a real token does."""
+    from tvmbert import Job, JobConfig, verify
+    from tvmbert.deploy.compiled import CompiledModel
+    from tvmbert.stages.verify import sample_inputs
+
+    job = Job(JobConfig(model="bert-tiny", batch=2, seq_len=16, workdir=str(workdir)))
+    mask_at = job.inputs.names.index("attention_mask")
+    assert any((sample[mask_at] == 0).any() for sample in sample_inputs(job, job.config.verify.samples))  # padding to hit
+    run = CompiledModel.__call__
+
+    def off_by_one_there(self, arrays):
+        outputs = run(self, arrays)
+        real = arrays[mask_at].astype(bool)
+        outputs[0][~real if where == "padding" else real] += 1.0  # last_hidden_state: [batch, seq, hidden]
+        return outputs
+
+    monkeypatch.setattr(CompiledModel, "__call__", off_by_one_there)
+    result = verify(job)
+    assert result.passed is passes and (result.max_abs_diff < 1e-4) is passes

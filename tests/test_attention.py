@@ -1,6 +1,7 @@
 """fp32 attention as one kernel: its numerics against float64 (masks of every broadcast, a fused
 Q/K/V projection's columns and separate operands, a fully masked row), and bert-tiny through it
-against PyTorch, where it applies and where it does not."""
+against PyTorch, where it applies and where it does not; the same for its AMX-BF16 variant (int8
+builds on AMX), against float64 with bf16's rounding of what it rounds."""
 
 from __future__ import annotations
 
@@ -189,41 +190,63 @@ def _bf16(values):
 @pytest.mark.amx
 @pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 64), (1, 2, 64, 32)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
-@pytest.mark.parametrize("layout", ["fused", "separate", "packed"])
+@pytest.mark.parametrize("layout", ["fused", "separate", "packed", "panels"])
 @pytest.mark.parametrize("spread", [1.0, 4.0])
-def test_amx_attention_rounds_only_the_probabilities_and_values_to_bf16(batch, heads, seq, dim, mask_shape, layout, spread):
-    """The AMX kernel against float64 with P and V rounded to bf16, as its P V takes them. Its
-    scores (three bf16 products: Qh Kh + Qh Kl + Ql Kh) are fp32's: with operands spread 4x the
-    scores reach +-30 and a peaked softmax, where bf16 scores alone miss this bound 3-7-fold."""
+def test_amx_attention_matches_float64_within_bf16_probabilities_and_values(batch, heads, seq, dim, mask_shape, layout, spread):
+    """The AMX kernel against float64 with P and V rounded to bf16, as its P V takes them (and
+    divides by their sum). Its scores come from three bf16 products: with operands spread 4x the
+    scores reach +-30 and a peaked softmax, where one product misses this bound 3-7-fold."""
     import tvm
 
     rng = np.random.default_rng(4)
-    width = heads * dim
+    width, panel = heads * dim, 64 if layout == "panels" else 0
     tokens = batch * seq - 5 if layout == "packed" else None
-    columns = (rng.standard_normal((tokens or batch * seq, 3 * width + 16), dtype=np.float32) * spread)
-    sources = [(3 * width + 16, 16 + i * width) for i in range(3)]
+    columns = rng.standard_normal((tokens or batch * seq, 3 * width + 64), dtype=np.float32) * spread
+    sources = [(3 * width + 64, 64 + i * width) for i in range(3)]
     operands = [columns] * 3
     if layout == "separate":
         operands = [np.ascontiguousarray(columns[:, offset:offset + width]) for _, offset in sources]
         sources = [(width, 0)] * 3
+    elif layout == "panels":  # as an FMA kernel writes them: [columns / panel, rows, panel]
+        operands = [np.ascontiguousarray(columns.reshape(len(columns), -1, panel).transpose(1, 0, 2))] * 3
     rows = rng.integers(0, tokens, batch * seq).astype(np.int64) if tokens else np.zeros(1, "int32")
-    grid = [a[rows] if tokens else a for a in operands]  # [batch * seq, C]: what the padded build would read
-    q, k, v = (_heads(a, batch, seq, heads, dim, offset) for a, (_, offset) in zip(grid, sources))
+    grid = columns[rows] if tokens else columns  # [batch * seq, C]: what the padded build would read
+    q, k, v = (_heads(grid, batch, seq, heads, dim, offset) if layout != "separate" else _heads(a, batch, seq, heads, dim, 0)
+               for a, (_, offset) in zip(operands, sources))
     mask = None
     if mask_shape:
         shape = (batch, 1, 1, seq) if mask_shape == "keys" else (batch, 1, seq, seq)
         mask = np.where(rng.random(shape) < 0.3, MASKED, 0).astype(np.float32)
-        mask[..., 0] = 0
-    function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape if mask is not None else None, 0.125, tokens)
+        mask[..., 0] = 0  # every row keeps a key (the all-masked row has its own test)
+    function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape if mask is not None else None, 0.125,
+                                         tokens, panel)
     library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (*operands, mask if mask is not None else np.zeros(1, "float32"), rows)), y)
     scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) * 0.125 + (mask if mask is not None else 0)
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    expected = (_bf16(weights).astype(np.float64) @ _bf16(v)) / weights.sum(-1, keepdims=True)
+    weights = _bf16(np.exp(scores - scores.max(-1, keepdims=True))).astype(np.float64)
+    expected = weights @ _bf16(v) / weights.sum(-1, keepdims=True)
     # a probability whose fp32 exp lies 1 ulp from float64's may round to the neighbouring bf16: 2^-8 of it
     np.testing.assert_allclose(y.numpy(), expected.transpose(0, 2, 1, 3), atol=2 ** -8 * np.abs(v).max(), rtol=0)
     assert "tdpbf16ps" in library.mod.inspect_source("asm")
+
+
+@pytest.mark.amx
+def test_amx_attention_averages_a_fully_masked_rows_values_as_pytorch_does():
+    import tvm
+
+    batch, heads, seq, dim = 1, 2, 32, 32
+    rng = np.random.default_rng(5)
+    columns = rng.standard_normal((seq, 3 * heads * dim), dtype=np.float32)
+    mask = np.zeros((batch, 1, seq, seq), np.float32)
+    mask[0, 0, 3] = MASKED
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    library = tvm.compile(tvm.IRModule({"main": attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape, 0.25)}),
+                          target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
+    v = _bf16(_heads(columns, batch, seq, heads, dim, sources[2][1]))
+    np.testing.assert_allclose(y.numpy()[0, 3], v[0].mean(1), atol=1e-6)  # every weight 1, exactly: the values' mean
 
 
 def test_amx_attention_takes_whole_blocks_of_tiles():

@@ -17,7 +17,7 @@ from tvmbert.ir.tasks import extract_tasks, inference_module
 from tvmbert.tuning import catalog, database, record_files
 from tvmbert.tuning.catalog import Catalog
 
-from helpers import OTHER_CPU, SMALL_TUNE, tune_in_background
+from helpers import ALIKE, OTHER_CPU, SMALL_TUNE, tune_in_background
 
 HOST = resolve("llvm").key
 # A CPU this machine runs code for, with no logs of its own in these tests' log dirs.
@@ -54,24 +54,25 @@ def test_a_record_tensorized_with_a_missing_instruction_never_fits():
     assert catalog.fits(plain, haswell)
 
 
-def test_build_on_a_cpu_without_logs_takes_every_schedule_from_the_nearest_one(tvmbert, tuned):
-    built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
+def test_build_on_a_cpu_without_logs_takes_every_schedule_from_the_nearest_one(tvmbert, tuned_everywhere_alike):
+    tuned = tuned_everywhere_alike
+    built = tvmbert("build", "bert-tiny", *ALIKE, "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
     assert built.code == 0, built.stderr
     assert built.json["tasks_tuned"] == built.json["tasks_total"] > 0
     assert set(built.json["schedules"].values()) == {f"transferred from {HOST}"}
     assert f"{built.json['tasks_total']} transferred from {HOST}" in built.stderr and "--adapt" in built.stderr
     assert str(tuned / HOST) in built.json["databases_read"]
-    verified = tvmbert("verify", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
+    verified = tvmbert("verify", "bert-tiny", *ALIKE, "--target", OTHER_TARGET, "--log-dir", str(tuned), "--json")
     assert verified.code == 0 and verified.json["max_abs_diff"] <= 1e-5
 
 
-def test_a_change_in_any_database_invalidates_the_build(tvmbert, tuned, tmp_path):
+def test_a_change_in_any_database_invalidates_the_build(tvmbert, tuned_everywhere_alike, tmp_path):
     logs = tmp_path / "logs"
-    shutil.copytree(tuned, logs)
-    first = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
+    shutil.copytree(tuned_everywhere_alike, logs)
+    first = tvmbert("build", "bert-tiny", *ALIKE, "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
     assert set(first.json["schedules"].values()) == {f"transferred from {HOST}"}
     shutil.rmtree(logs / HOST)
-    again = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
+    again = tvmbert("build", "bert-tiny", *ALIKE, "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
     assert again.code == 0 and not again.json["cached"]
     assert set(again.json["schedules"].values()) == {"default"}
 
@@ -166,15 +167,15 @@ def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
     assert retuned.code == 0 and retuned.json["new_trials"] > 0
 
 
-def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned, tmp_path):
+def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned_everywhere_alike, tmp_path):
     logs = tmp_path / "logs"
-    shutil.copytree(tuned, logs)
-    adapted = tvmbert("tune", "bert-tiny", "--target", OTHER_TARGET, "--adapt", "--trials", "16",
+    shutil.copytree(tuned_everywhere_alike, logs)
+    adapted = tvmbert("tune", "bert-tiny", *ALIKE, "--target", OTHER_TARGET, "--adapt", "--trials", "16",
                       "--log-dir", str(logs), "--json")
     assert adapted.code == 0, adapted.stderr
     assert adapted.json["target"] == f"llvm-{OTHER_CPU}" and adapted.json["new_trials"] > adapted.json["tasks_total"]
     assert "ETA" in adapted.stderr
-    built = tvmbert("build", "bert-tiny", "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
+    built = tvmbert("build", "bert-tiny", *ALIKE, "--target", OTHER_TARGET, "--log-dir", str(logs), "--json")
     assert built.code == 0 and set(built.json["schedules"].values()) == {"native"}
     # Measured here, at this machine's core count.
     records = database.open_database(logs / f"llvm-{OTHER_CPU}")

@@ -198,6 +198,8 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
     ((64,), 32, 64),  # whole blocks: no padding
     ((20,), 64, 128),  # a whole block, 12 rows of it padding
     ((300,), 64, 256),  # 9 whole blocks in 3 chunks of "L2" (row_chunk_bytes below), and a half one
+    ((96,), 32, 192),  # 3 blocks in a chunk, 3 k steps: 11 rows of the previous block's epilogue a step, 1 left over
+    ((64,), 32, 2176),  # 34 k steps: a row of the previous block's each for the first 32, none after
 ])
 @pytest.mark.parametrize("activation, residual", EPILOGUES)
 def test_amx_int8_kernel_sums_exactly_what_numpy_sums(lead, n, k, activation, residual):
@@ -339,7 +341,6 @@ def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert
     assert "amx_kernels" not in meta and meta["int8_instructions"]["vpdpbusd"] > 0 and meta["int8_instructions"]["tdpbusd"] == 0
 
 
-
 def test_int8_attention_for_an_amx_cpu_runs_on_bf16_tiles(tvmbert, workdir):
     """Compiled only (the kernel's numerics: test_attention.py, on AMX hosts): with AMX, an int8
     build's attention runs its matmuls on ``tdpbf16ps``; without AMX-BF16 it stays on fp32 vectors."""
@@ -347,7 +348,7 @@ def test_int8_attention_for_an_amx_cpu_runs_on_bf16_tiles(tvmbert, workdir):
     outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--seq-len", "32", "--target", target, "--json")
     assert outcome.code == 0, outcome.stderr
     meta = build_meta(workdir, "b1-s32-int8", target=target)
-    assert meta["attention_kernels"] == ["attention_1x2x32x64_masked_amx_bf16"]
+    assert meta["attention_kernels"] == ["attention_1x2x32x64_masked_amx"]
     assert meta["attention_kernels"][0] in meta["amx_kernels"] and meta["amx_instructions"]["tdpbf16ps"] > 0
     outcome = tvmbert("optimize", "bert-tiny", "--dtype", "int8", "--seq-len", "32", "--target", target + " -mattr=-amx-bf16", "--json")
     assert outcome.code == 0, outcome.stderr
@@ -355,12 +356,15 @@ def test_int8_attention_for_an_amx_cpu_runs_on_bf16_tiles(tvmbert, workdir):
     assert attentions and not any("amx" in name for name in attentions)
 
 
+@pytest.mark.amx
 @pytest.mark.amx_int8
 def test_bert_tiny_in_int8_on_amx_verifies_with_its_attention_on_bf16_tiles(tvmbert, workdir):
+    """Run for real: the matmuls on AMX-INT8, the attention on AMX-BF16, against PyTorch fp32."""
     outcome = tvmbert("verify", "bert-tiny", "--dtype", "int8", "--batch", "2", "--seq-len", "32", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["passed"] and outcome.json["max_abs_diff"] < 0.05
-    assert build_meta(workdir, "b2-s32-int8")["attention_kernels"] == ["attention_2x2x32x64_masked_amx_bf16"]
+    assert build_meta(workdir, "b2-s32-int8")["attention_kernels"] == ["attention_2x2x32x64_masked_amx"]
+
 
 def test_an_int8_package_for_an_amx_cpu_asks_for_the_tiles_before_it_loads(workdir, tmp_path):
     """Compiled only: its manifest counts the AMX kernels, which is what makes tvmbert.load ask Linux

@@ -22,7 +22,8 @@ class Kernel:
 
 
 KERNELS = (
-    Kernel("amx", amx.KERNEL_ATTR, "amx-bf16", amx.instructions_in),  # and int8-matmuls' on AMX-INT8 (listed as int8 too)
+    # and int8-matmuls' on AMX-INT8 (listed as int8 too), and attention-fp32's on AMX-BF16 (listed as attention too)
+    Kernel("amx", amx.KERNEL_ATTR, "amx-bf16", amx.instructions_in),
     Kernel("int8", int8.KERNEL_ATTR, "int8-matmuls", int8.instructions_in),
     Kernel("int8_quantize", int8.QUANTIZE_ATTR, "int8-matmuls"),
     Kernel("fma", fma.KERNEL_ATTR, "fma-fp32"),

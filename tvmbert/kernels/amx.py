@@ -1,7 +1,8 @@
 """Matmuls on Intel AMX's tiles: bf16 (AMX-BF16, ``tdpbf16ps``) and int8 (AMX-INT8,
 ``tdpbusd``). The passes ``amx-bf16`` (``passes/amx_bf16.py``) and ``int8-matmuls``
 (``passes/int8_matmuls.py``) call them; the loader (``deploy/loader.py``) asks for the process
-permission their instructions need (build lists every kernel here as ``amx_kernels``).
+permission their instructions need (build lists every kernel here as ``amx_kernels``, and
+``kernels/attention.amx_bf16_kernel``, which runs on the same tiles).
 
 MetaSchedule's x86 tensor intrinsics cover VNNI's int8 only, and bf16 kernels scheduled by it
 convert every bf16 value to fp32 in the inner loop (slower than fp32). AVX512-BF16's ``vdpbf16ps``
@@ -45,8 +46,9 @@ def tile_instruction(name: str, *args):
 
 
 def tile_configuration():
-    """A TIR macro loading the configuration both kernels run with: palette 1, eight tiles of 16
-    rows x 64 bytes (tmm0-3 the accumulators, tmm4-5 the rows, tmm6-7 the weights)."""
+    """A TIR macro loading the configuration every AMX kernel runs with: palette 1, eight tiles of
+    16 rows x 64 bytes (tmm0-3 the accumulators, tmm4-5 the rows, tmm6-7 the weights, or
+    attention's K and V pairs)."""
     from tvm.script import tirx as T
 
     @T.macro

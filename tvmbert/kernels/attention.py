@@ -20,18 +20,22 @@ per head's Q, K or V) and this one reads the panels: bert-base 8 x 128, both alo
 projection 12.1 -> 11.7 ms and the attention 2.4 -> 2.1 ms; where a panel is one head's V,
 ``P V`` reads it in place, uncopied (2.07 -> 1.99 ms). With ``--dtype bfloat16`` on AMX only
 the weight matmuls are bf16 and the attention runs here too (8 x 128: 58 ms of graph kernels -> 25).
+
+``amx_bf16_kernel`` is the same attention with its two matmuls on AMX-BF16 tiles, for int8 builds
+on AMX (``passes/pipeline.PassContext.attention_on_amx``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tvmbert.kernels.amx import KERNEL_ATTR as AMX_KERNEL_ATTR
+from tvmbert.kernels.amx import TILE, tile_configuration, tile_instruction
 from tvmbert.kernels.fma import CACHE_LINE, STACK_BYTES, prefetch_to_l2, whole
 from tvmbert.kernels.scalar_math import exp_float32
 
 KERNEL_ATTR = "tvmbert.attention_f32"  # PrimFunc attribute marking the kernel (build counts them)
 ROWS = 4  # query rows per register tile
-AMX_BLOCK = 32  # rows and columns of the AMX kernel's blocks (2 x 2 tiles of 16 x 16 fp32), and its k step (32 bf16)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,14 @@ class _Grid:
         return mask[tuple(0 if size == 1 else at for size, at in zip(self.mask_shape, index))]
 
 
+def _across_lanes(partial, lanes: int, combine):
+    """The lanes of ``partial`` combined as a tree: 4 dependent steps where a chain takes 15."""
+    values = [partial[x] for x in range(lanes)]
+    while len(values) > 1:
+        values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
+    return values[0]
+
+
 def vectors_per_tile(count: int, lanes: int) -> int:
     """Vectors per row of a register tile over ``count`` vectors: ``ROWS`` x this many
     accumulators leave registers for the loads (32 vector registers with AVX-512, 16 with AVX2)."""
@@ -126,11 +138,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     row, at, mask_at = grid.row, grid.at, grid.mask_at
 
     def across_lanes(partial, combine):
-        """The lanes of ``partial`` combined as a tree: 4 dependent steps where a chain takes 15."""
-        values = [partial[x] for x in range(lanes)]
-        while len(values) > 1:
-            values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
-        return values[0]
+        return _across_lanes(partial, lanes, combine)
 
     # The next head's Q, K and V rows (strided columns of the operands, which the hardware
     # prefetcher does not follow) are prefetched while this head's scores are computed, spread
@@ -273,7 +281,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
 
 def amx_bf16_fits(seq: int, dim: int, lanes: int) -> bool:
     """Whether ``amx_bf16_kernel`` takes a head: whole 32 x 32 blocks of tiles both ways."""
-    return lanes == 16 and seq % AMX_BLOCK == 0 and dim % AMX_BLOCK == 0
+    return lanes == 16 and seq % TILE == 0 and dim % TILE == 0
 
 
 def _bf16_high(value):
@@ -295,15 +303,18 @@ def _bf16_rest(value):
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
                     scale: float | None, tokens: int | None = None, panel: int = 0):
-    """``kernel``'s attention (same operands, same result) with its two matmuls on AMX-BF16
-    (``tdpbf16ps``, fp32 sums). Scores as fp32 gives them: Q and K split in a bf16 part and a bf16
-    rest, ``Qh Kh + Qh Kl + Ql Kh`` (three products on AMX cost less than converting them); bf16
-    scores alone moved all-MiniLM-L6-v2's int8 output 2.4 at a softmax near a tie, against 0.21
-    for fp32 attention. P V in bf16 (its error is linear: 2^-8 of a probability at most); scale,
-    mask, softmax and the division by the row's sum in fp32, as in ``kernel``.
+    """``kernel``'s attention (same operands and output) with its two matmuls on AMX-BF16
+    (``tdpbf16ps``, fp32 sums), for the int8 build on AMX, where the fp32 kernel took a quarter of
+    bert-base's time at 8 x 128 (a layer alone: 1.9 ms, 1.3 here).
 
-    For the int8 build on AMX, where the fp32 kernel took a quarter of bert-base's time at 8 x 128
-    (1.9 ms a layer alone, 1.3 here).
+    The scores to about 16 bits: Q and K split in a bf16 part and a bf16 rest, ``Qh Kh + Qh Kl +
+    Ql Kh`` (what is left out, ``Ql Kl``, is 2^-16 of a product; bf16 alone keeps 2^-8). The
+    softmax's exp turns a score's error into the probability's: with scores of +-30 one product
+    misses P V's own bf16 error 3-7-fold (tests/test_attention.py); on all-MiniLM-L6-v2's real
+    tokens it measured no different. Three products on tiles cost less than the conversions.
+    P V on bf16 probabilities and values (2^-8 of a probability at most, and linear), divided by
+    the sum of those bf16 probabilities, so that a row's weights sum to 1; scale, mask and
+    softmax in fp32, as in ``kernel``.
 
     Per (sequence, head): Q and the probabilities as bf16 rows (row tiles, 32 values a row), K
     and V as AMX's pairs (``Wp[K/2, N, 2]``: K^T's through 16 x 16 blocks in registers, V's by
@@ -311,9 +322,6 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``."""
     import tvm
     from tvm.script import tirx as T
-
-    from tvmbert.kernels.amx import KERNEL_ATTR as AMX_KERNEL_ATTR
-    from tvmbert.kernels.amx import tile_configuration, tile_instruction
 
     assert amx_bf16_fits(seq, dim, lanes), (seq, dim, lanes)
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
@@ -323,10 +331,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     pairs = lanes // 2
 
     def across_lanes(partial, combine):
-        values = [partial[x] for x in range(lanes)]
-        while len(values) > 1:
-            values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
-        return values[0]
+        return _across_lanes(partial, lanes, combine)
 
     @T.macro
     def zero_block():
@@ -337,8 +342,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     def block_product(a, a_row, a_stride, b, b_row, b_column, b_stride, steps):
         """tmm0-3 += a[a_row .. + 32, :] @ b (pairs) over ``steps`` k steps of 32."""
         for ks in range(steps):
-            T.evaluate(tile_instruction("tileloadd64", T.int8(4), T.address_of(a[a_row, ks * AMX_BLOCK]), T.int64(a_stride)))
-            T.evaluate(tile_instruction("tileloadd64", T.int8(5), T.address_of(a[a_row + 16, ks * AMX_BLOCK]), T.int64(a_stride)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(4), T.address_of(a[a_row, ks * TILE]), T.int64(a_stride)))
+            T.evaluate(tile_instruction("tileloadd64", T.int8(5), T.address_of(a[a_row + 16, ks * TILE]), T.int64(a_stride)))
             T.evaluate(tile_instruction("tileloadd64", T.int8(6), T.address_of(b[b_row + ks * 16, b_column]), T.int64(b_stride)))
             T.evaluate(tile_instruction("tileloadd64", T.int8(7), T.address_of(b[b_row + ks * 16, b_column + 16]), T.int64(b_stride)))
             T.evaluate(tile_instruction("tdpbf16ps", T.int8(0), T.int8(4), T.int8(6)))
@@ -371,8 +376,9 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     scores = T.alloc_buffer((seq, seq), "float32")
                     pb = T.alloc_buffer((seq, seq), "uint16")  # the probabilities (not yet divided by their sum) in bf16
                     totals = T.alloc_buffer((seq,), "float32")
-                    out = T.alloc_buffer((AMX_BLOCK, AMX_BLOCK), "float32")
+                    out = T.alloc_buffer((TILE, TILE), "float32")
                     partial = T.alloc_buffer((lanes,), "float32")
+                    rounded = T.alloc_buffer((lanes,), "uint32")  # a vector of probabilities in bf16 (high halves)
                     block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
                     row_max = T.alloc_buffer((1,), "float32")
                     for s in range(seq):
@@ -394,12 +400,12 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                                 for x in T.vectorized(lanes):
                                     kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
                                     kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
-                    for i0, j0 in T.grid(seq // AMX_BLOCK, seq // AMX_BLOCK):
-                        zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T: within a few fp32 ulps of a score's terms
-                        block_product(qb, i0 * AMX_BLOCK, dim * 2, kb, 0, j0 * AMX_BLOCK, seq * 4, dim // AMX_BLOCK)
-                        block_product(qb, i0 * AMX_BLOCK, dim * 2, kl, 0, j0 * AMX_BLOCK, seq * 4, dim // AMX_BLOCK)
-                        block_product(ql, i0 * AMX_BLOCK, dim * 2, kb, 0, j0 * AMX_BLOCK, seq * 4, dim // AMX_BLOCK)
-                        store_block(scores, i0 * AMX_BLOCK, j0 * AMX_BLOCK, seq * 4)
+                    for i0, j0 in T.grid(seq // TILE, seq // TILE):
+                        zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
+                        block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
+                        block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, dim // TILE)
+                        block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
+                        store_block(scores, i0 * TILE, j0 * TILE, seq * 4)
                     # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
                     for i in range(seq):
                         for x in T.vectorized(lanes):
@@ -417,18 +423,18 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                             partial[x] = T.float32(0)
                         for c in range(seq // lanes):
                             for x in T.vectorized(lanes):
-                                scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
-                                partial[x] = partial[x] + scores[i, c * lanes + x]
-                                pb[i, c * lanes + x] = T.Cast("uint16", _bf16_high(scores[i, c * lanes + x]) >> T.uint32(16))
+                                rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
+                                partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
+                                pb[i, c * lanes + x] = T.Cast("uint16", rounded[x] >> T.uint32(16))
                         totals[i] = across_lanes(partial, lambda a, b: a + b)
                     # y = P V / sum
-                    for i0, d0 in T.grid(seq // AMX_BLOCK, dim // AMX_BLOCK):
+                    for i0, d0 in T.grid(seq // TILE, dim // TILE):
                         zero_block()
-                        block_product(pb, i0 * AMX_BLOCK, seq * 2, vb, 0, d0 * AMX_BLOCK, dim * 4, seq // AMX_BLOCK)
-                        store_block(out, 0, 0, AMX_BLOCK * 4)
-                        for i in range(AMX_BLOCK):
-                            for x in T.vectorized(AMX_BLOCK):
-                                y[bh // heads, i0 * AMX_BLOCK + i, bh % heads, d0 * AMX_BLOCK + x] = out[i, x] / totals[i0 * AMX_BLOCK + i]
+                        block_product(pb, i0 * TILE, seq * 2, vb, 0, d0 * TILE, dim * 4, seq // TILE)
+                        store_block(out, 0, 0, TILE * 4)
+                        for i in range(TILE):
+                            for x in T.vectorized(TILE):
+                                y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = out[i, x] / totals[i0 * TILE + i]
                     T.evaluate(tile_instruction("tilerelease"))
 
     assert isinstance(attention, tvm.tirx.PrimFunc)

@@ -268,7 +268,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                                                                      found.tokens, panel)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
                     + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
-                    + ("_amx_bf16" if on_amx else "")
+                    + ("_amx" if on_amx else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
