@@ -41,7 +41,7 @@ run() { [[ $steps == *" $1 "* ]]; }
 engines=tvm,ort-int8$("$PY" -c "import openvino, nncf" 2>/dev/null && echo ,openvino-int8)
 # test_attention.py's AMX tests only: its fp32 ones would take the step's time (an Emerald Rapids: 95% done at 100 s with them all)
 amx_attention_tests=(tests/test_attention.py::test_amx_attention_matches_float64_within_bf16_probabilities_and_values
-                     tests/test_attention.py::test_amx_attention_averages_a_fully_masked_rows_values_as_pytorch_does)
+                     "tests/test_attention.py::test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does[True]")
 run tests && step tests.txt "${TESTS_S:-100}" "$PY" -m pytest -v -rfE -p no:cacheprovider -n 8 tests/test_int8.py tests/test_amx.py "${amx_attention_tests[@]}" ${TESTS_K:+-k "$TESTS_K"}
 export TVM_NUM_THREADS=2
 bench=("$PY" -m tvmbert bench "$MODEL" --threads 2 --repeat 10 --min-time 2 --workdir "$WORK" --json)

@@ -23,6 +23,12 @@ def _reference(q, k, v, mask, scale):
     return (scores / scores.sum(-1, keepdims=True)) @ v.astype(np.float64)
 
 
+def _bf16(values):
+    """float32 rounded to bf16, half to even, kept in float32."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
 def _heads(columns, batch, seq, heads, dim, offset):  # [B * S, C] columns -> [B, H, S, D]
     return columns[:, offset:offset + heads * dim].reshape(batch, seq, heads, dim).transpose(0, 2, 1, 3)
 
@@ -74,25 +80,28 @@ def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
     assert sorted(heap_buffers(library)) == ["block", "kt", "scores", "vh"]
 
 
-@pytest.mark.simd
-def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does():
+@pytest.mark.parametrize("on_amx", [pytest.param(False, marks=pytest.mark.simd), pytest.param(True, marks=pytest.mark.amx)])
+def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does(on_amx):
+    """Every weight of the row is then 1: the values' mean (the AMX kernel's values in bf16)."""
     import torch
     import tvm
 
-    batch, heads, seq, dim = 1, 2, 16, 16
-    rng = np.random.default_rng(1)
+    batch, heads, seq, dim = (1, 2, 32, 32) if on_amx else (1, 2, 16, 16)
+    rng = np.random.default_rng(5 if on_amx else 1)
     columns = rng.standard_normal((seq, 3 * heads * dim), dtype=np.float32)
     mask = np.zeros((batch, 1, seq, seq), np.float32)
     mask[0, 0, 3] = MASKED
     sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
-    library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, mask.shape, 0.25)}),
-                          target=HOST)
+    make, lanes = (attention.amx_bf16_kernel, 16) if on_amx else (attention.kernel, HOST_LANES)
+    library = tvm.compile(tvm.IRModule({"main": make(batch, heads, seq, dim, lanes, sources, mask.shape, 0.25)}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
     q, k, v = (torch.from_numpy(np.ascontiguousarray(_heads(columns, batch, seq, heads, dim, o))) for _, o in sources)
-    expected = torch.softmax(q @ k.transpose(2, 3) * 0.25 + torch.from_numpy(mask), -1) @ v
-    np.testing.assert_allclose(y.numpy(), expected.numpy().transpose(0, 2, 1, 3), atol=2e-6)
-    np.testing.assert_allclose(y.numpy()[0, 3], v.numpy()[0, :, :, :].mean(1), atol=2e-6)
+    if not on_amx:  # (the AMX kernel's whole result: test_amx_attention_matches_float64_within_bf16_probabilities_and_values)
+        expected = torch.softmax(q @ k.transpose(2, 3) * 0.25 + torch.from_numpy(mask), -1) @ v
+        np.testing.assert_allclose(y.numpy(), expected.numpy().transpose(0, 2, 1, 3), atol=2e-6)
+    values = _bf16(v.numpy()) if on_amx else v.numpy()
+    np.testing.assert_allclose(y.numpy()[0, 3], values[0].mean(1), atol=1e-6 if on_amx else 2e-6)
 
 
 def test_shapes_off_the_vector_lanes_keep_the_graph():
@@ -181,12 +190,6 @@ def test_panel_major_operands_give_the_row_major_result(lanes, head_per_panel):
     np.testing.assert_allclose(results[1], _reference(q, k, v, mask, 0.125).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
 
 
-def _bf16(values):
-    """float32 rounded to bf16, half to even, kept in float32."""
-    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
-
-
 @pytest.mark.amx
 @pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 64), (1, 2, 64, 32)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
@@ -229,24 +232,6 @@ def test_amx_attention_matches_float64_within_bf16_probabilities_and_values(batc
     # a probability whose fp32 exp lies 1 ulp from float64's may round to the neighbouring bf16: 2^-8 of it
     np.testing.assert_allclose(y.numpy(), expected.transpose(0, 2, 1, 3), atol=2 ** -8 * np.abs(v).max(), rtol=0)
     assert "tdpbf16ps" in library.mod.inspect_source("asm")
-
-
-@pytest.mark.amx
-def test_amx_attention_averages_a_fully_masked_rows_values_as_pytorch_does():
-    import tvm
-
-    batch, heads, seq, dim = 1, 2, 32, 32
-    rng = np.random.default_rng(5)
-    columns = rng.standard_normal((seq, 3 * heads * dim), dtype=np.float32)
-    mask = np.zeros((batch, 1, seq, seq), np.float32)
-    mask[0, 0, 3] = MASKED
-    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
-    library = tvm.compile(tvm.IRModule({"main": attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape, 0.25)}),
-                          target=HOST)
-    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
-    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
-    v = _bf16(_heads(columns, batch, seq, heads, dim, sources[2][1]))
-    np.testing.assert_allclose(y.numpy()[0, 3], v[0].mean(1), atol=1e-6)  # every weight 1, exactly: the values' mean
 
 
 def test_amx_attention_takes_whole_blocks_of_tiles():

@@ -173,7 +173,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     def score_fma(q, kt, rows, acc, bh, first, c, d0, e):  # query rows first .. first + half
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
-                acc[i, x] = acc[i, x] + at(q, row(rows, bh // heads * seq + first + i), (q_offset + bh % heads * dim) // lanes + d0, e) \
+                acc[i, x] = acc[i, x] + grid.head_row(q, rows, 0, bh, first + i, d0, e) \
                     * kt[d0 * lanes + e, c * score_width + x]
 
     @T.macro
@@ -226,12 +226,12 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         for j in range(seq):
                             for d0 in range(dim // lanes):
                                 for x in T.vectorized(lanes):
-                                    vh[j, d0 * lanes + x] = at(v, row(rows, bh // heads * seq + j), (v_offset + bh % heads * dim) // lanes + d0, x)
+                                    vh[j, d0 * lanes + x] = grid.head_row(v, rows, 2, bh, j, d0, x)
                     for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
                         for d0 in range(dim // lanes):
                             for r in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
-                                    block[r, x] = at(k, row(rows, bh // heads * seq + j0 * lanes + r), (k_offset + bh % heads * dim) // lanes + d0, x)
+                                    block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
                             for c in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
                                     kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
