@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False)
+
+# What a rich table adds to its columns' widths: one space either side of each cell, and a border
+# line left of each column and right of the last.
+_CELL_PADDING = 2
+_BORDER = 1
+
+
+def results_table(title: str, columns: dict[str, list[str]], drop_first: tuple[str, ...]) -> Table:
+    """A table of numbers that never cuts one at the terminal's width (a CI log, a plain terminal):
+    each column is as wide as its widest cell or header word, headers wrap at their words, and the
+    columns in ``drop_first`` are left out, in that order, until the rest fits; a line under the
+    table names them. The first column is the row's name."""
+    shown = dict(columns)
+    for name in (None, *drop_first):
+        shown.pop(name, None)
+        widths = {header: max([cell_len(cell) for cell in cells] + [cell_len(word) for word in header.split()])
+                  for header, cells in shown.items()}
+        if sum(widths.values()) + (_CELL_PADDING + _BORDER) * len(widths) + _BORDER <= out.width:
+            break
+    table = Table(title=title)
+    for index, (header, width) in enumerate(widths.items()):
+        table.add_column(header, width=width, justify="left" if index == 0 else "right")
+    for row in zip(*shown.values()):
+        table.add_row(*row)
+    left_out = [header for header in columns if header not in shown]
+    if left_out:
+        table.caption = f"left out at {out.width} columns: {', '.join(left_out)} (--json has every column)"
+    return table
 
 
 def random_weights(result):
@@ -97,13 +126,16 @@ def verify_training(result):
 
 def bench_training(report):
     env = report["environment"]
-    table = Table(title=f"{report['model']} {report['layer']} {'x'.join(map(str, report['shape']))} forward + backward, "
-                        f"{report['dtype']}, {env['threads']} threads, {env['target']}")
-    for column in ("engine", "median ms", "p90 ms", "runs", "setup s"):
-        table.add_column(column, justify="left" if column == "engine" else "right")
-    for name, stats in report["engines"].items():
-        table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", str(stats["runs"]), f"{stats['setup_s']:.1f}")
-    out.print(table)
+    engines = report["engines"].values()
+    out.print(results_table(
+        f"{report['model']} {report['layer']} {'x'.join(map(str, report['shape']))} forward + backward, "
+        f"{report['dtype']}, {env['threads']} threads, {env['target']}",
+        {"engine": list(report["engines"]),
+         "median ms": [f"{stats['median_ms']:.3f}" for stats in engines],
+         "p90 ms": [f"{stats['p90_ms']:.3f}" for stats in engines],
+         "runs": [str(stats["runs"]) for stats in engines],
+         "setup s": [f"{stats['setup_s']:.1f}" for stats in engines]},
+        drop_first=("setup s", "runs", "p90 ms")))
     saved = report["saved_bytes"]
     out.print(f"saved for backward: tvm {saved['tvm'] / 1024:,.1f} KiB, torch {saved['torch'] / 1024:,.1f} KiB; "
               f"{report['tasks_tuned']}/{report['tasks_total']} tasks tuned")
@@ -115,19 +147,25 @@ def bench_training(report):
 def bench(report):
     env = report["environment"]
     for result in report["results"]:
-        table = Table(title=f"{report['model']} {result['batch']}x{result['seq_len']}"
-                            + (f" ({result['padding']:.0%} padding)" if result["padding"] else "")
-                            + f", {report['dtype']}, {env['threads']} threads, {env['target']}")
-        for column in ("engine", "median ms", "p90 ms", "p99 ms", "after idle ms", "seq/s", "runs", "setup s", "memory MB"):
-            table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
+        timed = {name: stats for name, stats in result["engines"].items() if "skipped" not in stats}
+        engines = timed.values()
+        out.print(results_table(
+            f"{report['model']} {result['batch']}x{result['seq_len']}"
+            + (f" ({result['padding']:.0%} padding)" if result["padding"] else "")
+            + f", {report['dtype']}, {env['threads']} threads, {env['target']}",
+            {"engine": list(timed),
+             "median ms": [f"{stats['median_ms']:.3f}" for stats in engines],
+             "p90 ms": [f"{stats['p90_ms']:.3f}" for stats in engines],
+             "p99 ms": [f"{stats['p99_ms']:.3f}" for stats in engines],
+             "after idle ms": [f"{stats['after_idle_ms']:.3f}" for stats in engines],
+             "seq/s": [f"{stats['throughput']:.1f}" for stats in engines],
+             "runs": [str(stats["runs"]) for stats in engines],
+             "setup s": [f"{stats['setup_s']:.1f}" for stats in engines],
+             "memory MB": [f"{stats['memory_mb']:.0f}" for stats in engines]},
+            drop_first=("memory MB", "setup s", "runs", "p90 ms", "seq/s", "after idle ms")))
         for name, stats in result["engines"].items():
             if "skipped" in stats:
-                table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
-            else:
-                table.add_row(name, f"{stats['median_ms']:.3f}", f"{stats['p90_ms']:.3f}", f"{stats['p99_ms']:.3f}",
-                              f"{stats['after_idle_ms']:.3f}", f"{stats['throughput']:.1f}", str(stats["runs"]), f"{stats['setup_s']:.1f}",
-                              f"{stats['memory_mb']:.0f}")
-        out.print(table)
+                out.print(f"[dim]{name}: skipped: {stats['skipped']}[/dim]")
         if result["ratio"]:
             verdict = "tvm faster" if result["ratio"] < 1 else "tvm slower"
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
@@ -146,15 +184,14 @@ def export(manifest):
     from tvmbert.deploy.package import variants_of
 
     for variant in variants_of(manifest):
-        table = Table(title=f"{manifest['model']['name']} package, {manifest['dtype']}, {variant['target_key']}")
-        for column in ("bucket", "tasks tuned", "build s", "median ms"):
-            table.add_column(column, justify="left" if column == "bucket" else "right")
-        for b in variant["buckets"]:
-            table.add_row(f"{b['batch']}x{b['seq_len']}" + (f", {b['tokens']} tokens" if b.get("tokens") else ""),
-                          f"{b['tasks_tuned']}/{b['tasks_total']}",
-                          f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else ""),
-                          f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-")
-        out.print(table)
+        buckets = variant["buckets"]
+        out.print(results_table(
+            f"{manifest['model']['name']} package, {manifest['dtype']}, {variant['target_key']}",
+            {"bucket": [f"{b['batch']}x{b['seq_len']}" + (f", {b['tokens']} tokens" if b.get("tokens") else "") for b in buckets],
+             "tasks tuned": [f"{b['tasks_tuned']}/{b['tasks_total']}" for b in buckets],
+             "build s": [f"{b['build_seconds']:.1f}" + (" (cached)" if b["cached"] else "") for b in buckets],
+             "median ms": [f"{b['cost_ms']:.3f}" if "cost_ms" in b else "-" for b in buckets]},
+            drop_first=("tasks tuned", "build s")))
     report = manifest["report"]
     out.print(f"export: {report['path']}: {report['package_bytes'] / 1e6:.1f} MB (weights stored "
               f"{report['stored_weight_bytes'] / 1e6:.1f} MB for {report['weight_bytes'] / 1e6:.1f} MB of model weights, "
@@ -164,17 +201,21 @@ def export(manifest):
 
 def bench_lengths(report):
     env, work = report["environment"], report["workload"]
-    table = Table(title=f"{report['model']}, {work['requests']} requests of {work['batch']}, lengths {work['lengths']} (mean "
-                        f"{work['mean_length']}, max {work['max_length']}), {report['dtype']}, {env['threads']} threads, {env['target']}")
-    for column in ("engine", "seq/s", "p50 ms", "p99 ms", "mean ms", "setup s"):
-        table.add_column(column, justify="left" if column == "engine" else "right", no_wrap=column == "engine")
+    timed = {name: stats for name, stats in report["engines"].items() if "skipped" not in stats}
+    engines = timed.values()
+    out.print(results_table(
+        f"{report['model']}, {work['requests']} requests of {work['batch']}, lengths {work['lengths']} (mean "
+        f"{work['mean_length']}, max {work['max_length']}), {report['dtype']}, {env['threads']} threads, {env['target']}",
+        {"engine": list(timed),
+         "seq/s": [f"{stats['throughput']:.1f}" for stats in engines],
+         "p50 ms": [f"{stats['p50_ms']:.3f}" for stats in engines],
+         "p99 ms": [f"{stats['p99_ms']:.3f}" for stats in engines],
+         "mean ms": [f"{stats['mean_ms']:.3f}" for stats in engines],
+         "setup s": [f"{stats['setup_s']:.1f}" for stats in engines]},
+        drop_first=("setup s", "mean ms")))
     for name, stats in report["engines"].items():
         if "skipped" in stats:
-            table.add_row(name, f"[dim]skipped: {stats['skipped']}[/dim]")
-        else:
-            table.add_row(name, f"{stats['throughput']:.1f}", f"{stats['p50_ms']:.3f}", f"{stats['p99_ms']:.3f}",
-                          f"{stats['mean_ms']:.3f}", f"{stats['setup_s']:.1f}")
-    out.print(table)
+            out.print(f"[dim]{name}: skipped: {stats['skipped']}[/dim]")
     if report["throughput_ratio"]:
         verdict = "tvm serves more" if report["throughput_ratio"] >= 1 else "tvm serves fewer"
         out.print(f"tvm throughput / best other's ({report['best_other']}): {report['throughput_ratio']:.2f} ({verdict})")

@@ -1,0 +1,47 @@
+"""The commands' tables on narrow terminals: a number is shown whole or its column is left out, never cut."""
+
+import io
+
+import pytest
+from rich.console import Console
+
+from tvmbert.cli import render
+
+
+def _engine(median_ms, throughput):
+    return {"median_ms": median_ms, "p90_ms": median_ms * 1.4, "p99_ms": median_ms * 2.1, "after_idle_ms": median_ms * 3.3,
+            "throughput": throughput, "runs": 10923, "setup_s": 123.4, "memory_mb": 1530.2}
+
+
+def _report():
+    """What `make demo`'s bench reports, with numbers as wide as bert-base's at 8 x 128 beside the demo's."""
+    return {"model": "bert-tiny", "dtype": "float32", "random_weights": [],
+            "environment": {"threads": 2, "target": "llvm-znver4"},
+            "results": [{"batch": 1, "seq_len": 14, "padding": 0.0, "ratio": 0.61, "best_other": "onnxruntime",
+                         "machine_jitter": {"p99_ratio": 1.52},
+                         "engines": {"tvm": _engine(0.19665, 5085.3),
+                                     "torch-compile": _engine(1136.5432, 0.9),
+                                     "onnxruntime": _engine(11.2345, 89.0),
+                                     "openvino-int8": {"skipped": "openvino is not installed"}}}]}
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_a_bench_table_never_cuts_a_number(monkeypatch, width):
+    screen = io.StringIO()
+    monkeypatch.setattr(render, "out", Console(file=screen, width=width, highlight=False, color_system=None))
+    render.bench(_report())
+    text = screen.getvalue()
+
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    for name, stats in _report()["results"][0]["engines"].items():
+        assert name in text
+        if "skipped" in stats:
+            continue
+        row = next(line for line in text.splitlines() if line.startswith(f"│ {name} "))
+        shown = row.split("│")[2:-1]
+        assert f"{stats['median_ms']:.3f}" in shown[0]
+        assert all(cell.strip() and " " not in cell.strip() for cell in shown), row
+    assert "openvino is not installed" in text
+    if width == 60:
+        assert "left out at 60 columns" in text
