@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tvmbert.cli import main
+from tvmbert.core import hosts
 
 from helpers import ALIKE, HOST_AMX, HOST_AMX_INT8, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
 
@@ -73,6 +74,20 @@ def tuned_schedules(tmp_path_factory, workdir):
     assert main(["tune", "bert-tiny", *WITHOUT_KERNELS, "--kernel", "^fused_matmul5?_add", "--kernel", "^layer_norm", *SMALL_TUNE,
                  "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
     return log_dir
+
+
+@pytest.fixture
+def present_host(monkeypatch):
+    """Presents a host (a hosts.KNOWN_HOSTS name, or '<llvm cpu>:<flags>') to this test, as
+    TVMBERT_HOST does to a whole command: every 'this CPU' decision reads it."""
+
+    def present(text: str) -> hosts.Host:
+        monkeypatch.setenv(hosts.HOST_VARIABLE, text)
+        hosts.current.cache_clear()
+        return hosts.current()
+
+    yield present
+    hosts.current.cache_clear()  # read again, once monkeypatch has restored the environment
 
 
 def pytest_configure(config):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from tvmbert.core import toolchain
+from tvmbert.core import hosts, toolchain
 from tvmbert.core.errors import InputError
 
 DEFAULT_CUDA_ARCH = "sm_90"
@@ -34,6 +34,7 @@ class TargetKind:
     device: str  # TVM's device type (tvm.device(device, 0)), as MetaSchedule's runners name it too
     key_option: str  # the option whose value names the target's database key: llvm-<mcpu>
     defaults: dict[str, Callable[[], object]]  # options filled in, in this order, when not given
+    host: Callable[[], dict] | None = None  # the options naming this machine's device, where the user names none
     llvm_triple: Callable[[], str] | None = None  # mcpu is an LLVM CPU of this triple (unless mtriple says): checked
     toolchain: Callable[[], None] | None = None  # checks the tools a build needs on this machine
     tensor_intrinsics: tuple[str, ...] = ()  # the modules of tvm.s_tir.tensor_intrin its schedules may tensorize with
@@ -44,7 +45,7 @@ class TargetKind:
 
 
 KINDS = {kind.name: kind for kind in (
-    TargetKind("llvm", "cpu", "mcpu", {"mcpu": lambda: host_mcpu(), "num-cores": lambda: cpu_count()},
+    TargetKind("llvm", "cpu", "mcpu", {"num-cores": lambda: cpu_count()}, host=lambda: host_config(),
                llvm_triple=lambda: _host_triple(), tensor_intrinsics=("x86",)),
     TargetKind("cuda", "cuda", "arch", {"arch": lambda: _local_cuda_arch() or DEFAULT_CUDA_ARCH},
                toolchain=toolchain.check_cuda, tensor_intrinsics=("cuda",)),
@@ -116,7 +117,10 @@ class TargetSpec:
 
     @cached_property
     def has_amx_bf16(self) -> bool:
-        return self.has_features(AMX_BF16)
+        """AMX-BF16 beside AVX-512, as on every CPU that has AMX: the kernels around the tiles
+        (attention, layer norm, the epilogues) are built and tested for AVX-512's vectors with it,
+        never for a VM that hides AVX-512 and shows AMX."""
+        return self.has_features(AMX_BF16, "avx512f")
 
     @cached_property
     def has_amx_int8(self) -> bool:
@@ -127,7 +131,7 @@ class TargetSpec:
 
     def no_amx_message(self) -> str:
         why = f" usable here ({AMX_NOT_GRANTED})" if self.amx_withheld else ""
-        return (f"--dtype bfloat16 needs a CPU with AMX-BF16 (Intel Sapphire Rapids or later), and target '{self.key}' "
+        return (f"--dtype bfloat16 needs a CPU with AMX-BF16 and AVX-512 (Intel Sapphire Rapids or later), and target '{self.key}' "
                 f"has none{why}: without it TVM's bf16 kernels convert every value to fp32 in their inner loops and run "
                 f"slower than --dtype float32 (AVX512-BF16 alone measured slower than fp32 too). Use --dtype float32, "
                 f"or --dtype float16 for half the weight bytes")
@@ -172,48 +176,76 @@ def use_every_core() -> None:
 
 # x86 instruction sets LLVM may emit anywhere in code for a target that enables them (it
 # vectorizes with what it is given), and the flag /proc/cpuinfo shows for each: what a library
-# needs of the CPU that runs it. AMX is not here: LLVM never emits it on its own, and a library
-# with our AMX kernels asks the kernel for it before it loads (deploy/loader.py).
+# needs of the CPU that runs it, and what a host's database key names. AMX is not here: LLVM never
+# emits it on its own, and a library with our AMX kernels asks the kernel for it before it loads
+# (deploy/loader.py).
 INSTRUCTION_SETS = {
-    "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2",
+    "sse3": "pni", "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "popcnt": "popcnt", "avx": "avx",
+    "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2", "lzcnt": "abm", "movbe": "movbe",
     "avx512f": "avx512f", "avx512dq": "avx512dq", "avx512bw": "avx512bw", "avx512vl": "avx512vl", "avx512cd": "avx512cd",
     "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16", "avx512vbmi": "avx512vbmi",
     "avx512vbmi2": "avx512_vbmi2", "avx512ifma": "avx512ifma", "avx512vp2intersect": "avx512_vp2intersect",
-    "avxvnni": "avx_vnni",
+    "avx512bitalg": "avx512_bitalg", "avx512vpopcntdq": "avx512_vpopcntdq", "avxvnni": "avx_vnni",
 }
+# Every LLVM feature the host target takes from the flags: the instruction sets above, those LLVM
+# emits only where asked (GFNI for byte shifts, AES, SHA) and AMX's.
+HOST_FEATURES = {
+    **INSTRUCTION_SETS, "sse4a": "sse4a", "cx16": "cx16", "sahf": "lahf_lm", "gfni": "gfni", "vaes": "vaes",
+    "vpclmulqdq": "vpclmulqdq", "aes": "aes", "pclmul": "pclmulqdq", "sha": "sha_ni", "adx": "adx",
+    AMX_TILE: "amx_tile", AMX_BF16: "amx_bf16", AMX_INT8: "amx_int8",
+}
+GENERIC_CPUS = ("generic", "x86-64")  # LLVM's names when CPUID tells it nothing: the flags pick an x86-64 level
+X86_64_LEVELS = ("x86-64-v4", "x86-64-v3", "x86-64-v2")
+WITHOUT, WITH = "_no-", "_with-"  # a host key's parts after the CPU name: llvm-znver4_no-avx512f
 
 
-@lru_cache(maxsize=1)
 def host_flags() -> frozenset[str]:
-    """This CPU's feature flags as Linux reports them (empty where there is no /proc/cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    """The host's feature flags (``hosts.current``: this machine's, or TVMBERT_HOST's)."""
+    return hosts.current().flags
 
 
-@lru_cache(maxsize=1)
 def host_mcpu() -> str:
-    """A CPU name LLVM accepts for this host (the wheel's LLVM refuses mcpu=native)."""
-    # Virtual machines often hide the CPU model, and LLVM then guesses an older core; the
-    # feature flags are the truth: AMX + AVX512-FP16 is Sapphire Rapids or later.
-    if {"amx_tile", "avx512_fp16"} <= host_flags():
-        return "sapphirerapids"
-    import tvm
-
-    detected = str(tvm.target.codegen.llvm_get_system_cpu())
-    return detected if detected and detected != "generic" else "x86-64"
+    """The CPU name LLVM schedules the host's code for (the wheel's LLVM refuses mcpu=native)."""
+    return host_config()["mcpu"]
 
 
-@lru_cache(maxsize=1)
+def host_config() -> dict:
+    """``mcpu`` and ``mattr`` of exactly what the host runs (``config_for_host``)."""
+    return config_for_host(hosts.current())
+
+
+@lru_cache(maxsize=32)
+def config_for_host(host: hosts.Host) -> dict:
+    """``mcpu`` and ``mattr`` for exactly what ``host`` runs. The name is LLVM's own, except where
+    a VM hides the model and the flags say more; the name's instruction sets the flags lack are
+    taken off, those the flags list beyond the name put on (added first, so that a removal also
+    takes off whatever depends on it). No mattr where the name fits."""
+    flags = host.flags
+    mcpu = host.llvm_cpu
+    if {"amx_tile", "avx512_fp16"} <= flags:  # AMX + AVX512-FP16: Sapphire Rapids or later, whatever CPUID's model says
+        mcpu = "sapphirerapids"
+    elif mcpu in GENERIC_CPUS:
+        mcpu = next((level for level in X86_64_LEVELS
+                     if all(HOST_FEATURES[f] in flags for f in _features_of(level) & HOST_FEATURES.keys())), "x86-64")
+    if not flags:  # no /proc/cpuinfo: LLVM's name is all there is
+        return {"mcpu": mcpu}
+    implied = _features_of(mcpu)
+    added = {f for f, flag in HOST_FEATURES.items() if flag in flags and f not in implied}
+    removed = {f for f, flag in HOST_FEATURES.items() if flag not in flags and f in implied}
+    mattr = [f"+{f}" for f in _roots(added, taken_off=False)] + [f"-{f}" for f in _roots(removed, taken_off=True)]
+    return {"mcpu": mcpu, "mattr": mattr} if mattr else {"mcpu": mcpu}
+
+
 def host_grants_amx() -> bool:
     """Whether this process can have AMX's tile state (asked, not requested): Linux 5.16 or later
-    on a CPU it shows AMX on. LLVM names a CPU by its model, so a VM that hides AMX, or an older
-    kernel, still gets ``sapphirerapids``, whose AMX code would die on its first tile instruction."""
+    on a CPU it shows AMX on (the host's flags, and the real CPU's where the host is simulated).
+    LLVM names a CPU by its model, so a VM that hides AMX, or an older kernel, still gets
+    ``sapphirerapids``, whose AMX code would die on its first tile instruction."""
+    return "amx_tile" in hosts.runnable_flags() and _kernel_grants_amx()
+
+
+@lru_cache(maxsize=1)
+def _kernel_grants_amx() -> bool:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     supported = ctypes.c_uint64(0)
@@ -221,6 +253,12 @@ def host_grants_amx() -> bool:
     if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_SUPP, ctypes.byref(supported)) != 0:
         return False  # before Linux 5.16: no AMX for any process
     return bool(supported.value >> XFEATURE_XTILEDATA & 1)
+
+
+def describe_host() -> str:
+    """This host as the target it resolves to, for messages: 'llvm -mcpu=znver4 -mattr=-avx512f,-gfni'."""
+    described = describe_config({"kind": "llvm", **host_config()})
+    return described + (f", simulated by {hosts.HOST_VARIABLE}" if hosts.current().simulated else "")
 
 
 def describe_config(config: dict) -> str:
@@ -239,7 +277,7 @@ def missing_host_features(config: dict, amx_kernels: bool = False) -> list[str]:
     if config.get("kind") != "llvm" or not triple.startswith("x86_64"):
         return []
     amx = [AMX_TILE] if amx_kernels and not host_grants_amx() else []
-    flags = host_flags()
+    flags = hosts.runnable_flags()
     if not flags or platform.machine() not in ("x86_64", "AMD64"):
         return amx
     return sorted(name for name in compiled_instruction_sets(config) if INSTRUCTION_SETS[name] not in flags) + amx
@@ -294,8 +332,12 @@ def resolve(text: str) -> TargetSpec:
     if kind not in KINDS:
         raise InputError(f"unknown target '{text}': use one of {', '.join(KINDS)}, e.g. 'cuda -arch=sm_90', or a JSON dict")
     facts = KINDS[kind]
-    # This host's CPU, AMX left to what this process can use, unless the user named a CPU or AMX.
-    host_cpu = kind == "llvm" and "mcpu" not in options and not any("amx" in str(e) for e in options.get("mattr", ()))
+    # This host's CPU, as its flags say, unless the user named a CPU; AMX left to what this process
+    # can use, unless the user named AMX too.
+    on_host = facts.host is not None and facts.key_option not in options
+    if on_host:
+        host = facts.host()
+        options = {**host, **options, **({"mattr": [*host["mattr"], *options.get("mattr", ())]} if "mattr" in host else {})}
     for option, default in facts.defaults.items():
         if option not in options:
             options[option] = default()
@@ -310,9 +352,11 @@ def resolve(text: str) -> TargetSpec:
         _check_llvm_cpu(text, config, facts.llvm_triple)
     if kind == "llvm" and config.get("mattr"):
         _check_llvm_features(text, config)
-    spec = TargetSpec(text=text, config=config, key=_key(kind, options[facts.key_option]))
-    if host_cpu and not host_grants_amx() and spec.has_features(AMX_TILE):
-        return TargetSpec(text=text, config={**config, "mattr": [*config.get("mattr", ()), f"-{AMX_TILE}"]}, key=spec.key,
+    key = llvm_key(config) if kind == "llvm" else _key(kind, options[facts.key_option])
+    spec = TargetSpec(text=text, config=config, key=key)
+    user_amx = any("amx" in str(e) for e in options.get("mattr", ()) if str(e) not in host_config().get("mattr", ()))
+    if on_host and not user_amx and not host_grants_amx() and spec.has_features(AMX_TILE):
+        return TargetSpec(text=text, config={**config, "mattr": [*config.get("mattr", ()), f"-{AMX_TILE}"]}, key=key,
                           amx_withheld=True)
     return spec
 
@@ -352,6 +396,53 @@ def _check_llvm_features(text: str, config: dict) -> None:
                          f"(each entry +name or -name, e.g. -mattr=+avx2,-amx-int8)")
 
 
+def llvm_key(config: dict) -> str:
+    """``llvm-<mcpu>``, then the instruction sets (INSTRUCTION_SETS) the target's mattr takes off
+    the CPU's name (``_no-``) or puts on (``_with-``), each named by the one that implies the rest:
+    records tuned for AVX2 code on a Zen 4 whose AVX-512 is hidden live under
+    ``llvm-znver4_no-avx512f``, never among the AVX-512 ones. ``cpu_of_key`` reads it back."""
+    named = _features_of(config["mcpu"], (), config.get("mtriple")) & INSTRUCTION_SETS.keys()
+    built = _features_of(config["mcpu"], tuple(config.get("mattr", ())), config.get("mtriple")) & INSTRUCTION_SETS.keys()
+    return _key("llvm", config["mcpu"] + "".join(WITHOUT + f for f in _roots(named - built, taken_off=True))
+                + "".join(WITH + f for f in _roots(built - named, taken_off=False)))
+
+
+def cpu_of_key(key: str) -> dict | None:
+    """The llvm target a database key names (``llvm_key``'s inverse), None for other kinds."""
+    kind, _, rest = key.partition("-")
+    if kind != "llvm" or not rest:
+        return None
+    mcpu, *parts = re.split(f"({WITHOUT}|{WITH})", rest)
+    by_key = {_key("", f)[1:]: f for f in INSTRUCTION_SETS}  # the names as a key spells them (sse4_2)
+    mattr = [("-" if sign == WITHOUT else "+") + by_key.get(name, name) for sign, name in zip(parts[::2], parts[1::2])]
+    # Additions first, as host_config orders them: a removal then takes off what depends on it.
+    return {"kind": "llvm", "mcpu": mcpu, **({"mattr": sorted(mattr, key=lambda e: e[0] == "-")} if mattr else {})}
+
+
+@lru_cache(maxsize=256)
+def _features_of(mcpu: str, mattr: tuple = (), triple: str | None = None) -> frozenset[str]:
+    """The LLVM features code for ``mcpu`` with ``mattr`` may use."""
+    import tvm
+    from tvm.target import codegen
+
+    config = {"kind": "llvm", "mcpu": mcpu, **({"mattr": list(mattr)} if mattr else {}), **({"mtriple": triple} if triple else {})}
+    return frozenset(str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config)))
+
+
+def _roots(features: set[str], taken_off: bool) -> list[str]:
+    """The fewest of ``features`` that say them all to LLVM: taking a feature off takes off what
+    needs it (-avx512f: every AVX-512 set), putting one on puts on what it needs (+avx2: avx)."""
+    if taken_off:
+        return sorted(f for f in features if not (_needs(f) & features))
+    return sorted(f for f in features if not any(f in _needs(other) for other in features - {f}))
+
+
+@lru_cache(maxsize=64)
+def _needs(feature: str) -> frozenset[str]:
+    """The host features LLVM turns on with ``feature`` (avx512bw needs avx512f, avx2, ...)."""
+    return (_features_of("x86-64", (f"+{feature}",)) - _features_of("x86-64")) & HOST_FEATURES.keys() - {feature}
+
+
 def _key(kind: str, detail) -> str:
     """Names the target's folders under tuning_logs/ and build/: whatever the detail, no '/' or '..'."""
     return f"{kind}-{re.sub(r'[^A-Za-z0-9_+-]', '_', str(detail))}"
@@ -373,8 +464,14 @@ def _host_triple() -> str:
 
 
 def vector_lanes(tvm_target, dtype_bits: int) -> int:
-    """Lanes of ``dtype_bits`` in the vector width LLVM prefers for ``tvm_target`` (128-bit when it says none)."""
-    from tvm.target.codegen import llvm_get_vector_width
+    """Lanes of ``dtype_bits`` in the widest vectors ``tvm_target`` has: 512 bits with AVX-512,
+    256 with AVX, else 128 (TVM's llvm_get_vector_width answers 512 for every x86 CPU, AVX2-only
+    and SSE-only ones too, unless the target sets vector-width)."""
+    from tvm.target.codegen import llvm_get_vector_width, target_has_features
 
-    width = llvm_get_vector_width(tvm_target)
+    width = int(tvm_target.attrs.get("vector-width", 0) or 0)
+    if not width and tvm_target.kind.name == "llvm" and str(tvm_target.attrs.get("mtriple", "x86_64")).startswith("x86_64"):
+        width = 512 if target_has_features("avx512f", tvm_target) else 256 if target_has_features("avx", tvm_target) else 128
+    if not width:
+        width = llvm_get_vector_width(tvm_target)
     return max((width if width > 0 else 128) // dtype_bits, 1)

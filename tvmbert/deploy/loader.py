@@ -24,7 +24,7 @@ def check_cpu(what, target_config: dict, error: type[InputError] = InputError, a
     missing = targets.missing_host_features(target_config, amx)
     if missing:
         raise error(f"{what}: code for '{targets.describe_config(target_config)}' uses {', '.join(missing)}, and this CPU "
-                    f"({targets.host_mcpu()}) lacks {'it' if len(missing) == 1 else 'them'}: running it would kill the process "
+                    f"({targets.describe_host()}) lacks {'it' if len(missing) == 1 else 'them'}: running it would kill the process "
                     f"(illegal instruction){amx_note(missing)}. Build for this CPU (--target llvm), "
                     f"or for one it has every instruction set of")
 

@@ -62,12 +62,23 @@ def build(job: Job, force: bool = False) -> Artifact:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block
     _suggest(job, meta)
+    _say_without_kernels(job)
     return stage.written(meta)
 
 
 def _suggest(job: Job, meta: dict) -> None:
     """What would make this build faster, said after every build (a cached one too)."""
     _suggest_adapt(job, meta)
+
+
+def _say_without_kernels(job: Job) -> None:
+    """A CPU without AVX2 and FMA runs none of our hand kernels: said once, as it is built, so that
+    a slow build on an old CPU or a VM's baseline model (x86-64-v2, qemu64) is not taken for
+    tvmbert's speed."""
+    if job.target.kind == "llvm" and not job.target.fp32_lanes:
+        job.say(f"build: no hand-written kernel runs on {job.target.key}: they need AVX2 with FMA (or AVX-512), which it "
+                f"lacks, so every kernel runs TVM's schedules; on a CPU with them the fp32 weight matmuls, attention and "
+                f"layer norms run on ours (about 2x the default schedules at bert-base 1 x 16: docs/benchmarks.md)")
 
 
 def _suggest_adapt(job: Job, meta: dict) -> None:

@@ -142,8 +142,9 @@ def _variant_jobs(job: Job, cpus: tuple[str, ...]) -> list[Job]:
         if name == "native":
             variant = job
         else:
-            mcpu = name.removeprefix("llvm-")
-            variant = Job(replace(job.config, target=f"llvm -mcpu={mcpu}"), no_deps=job.no_deps, say=job.say)
+            # An LLVM CPU name, or a target key, which names what a host less some instruction sets runs
+            cpu = targets.cpu_of_key("llvm-" + name.removeprefix("llvm-"))
+            variant = Job(replace(job.config, target=json.dumps(cpu)), no_deps=job.no_deps, say=job.say)
         taken = found.setdefault(variant.target.key, variant)
         if taken.target.config != variant.target.config:  # this CPU's AMX withheld, and the same CPU named with it
             raise InputError(f"--cpus: '{name}' and an earlier entry both build for {variant.target.key}, one as "

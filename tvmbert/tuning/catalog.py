@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from tvmbert.core import targets
 from tvmbert.ir.tasks import extract_tasks, marked_kernels, without_marks
 from tvmbert.tuning import database
 
@@ -56,17 +57,18 @@ class Cpu:
 
 @cache
 def describe(key: str) -> Cpu | None:
-    """The CPU a database key names (``llvm-<mcpu>``), from LLVM's own CPU tables; None when
-    LLVM knows no such CPU."""
+    """The CPU a database key names (``llvm-<mcpu>``, less or more the instruction sets the key
+    says: ``targets.llvm_key``), from LLVM's own CPU tables; None when LLVM knows no such CPU."""
     import tvm
     from tvm.target import codegen
 
-    kind, _, mcpu = key.partition("-")
-    if kind != "llvm" or not mcpu:
+    config = targets.cpu_of_key(key)
+    if config is None:
         return None
+    mcpu = config["mcpu"]
     for triple in TRIPLES:
         if codegen.llvm_is_valid_cpu(mcpu, triple):
-            target = tvm.target.Target({"kind": "llvm", "mtriple": triple, "mcpu": mcpu})
+            target = tvm.target.Target({**config, "mtriple": triple})
             features = frozenset(str(name) for name in codegen.llvm_get_cpu_features(target))
             isa = next((level for feature, level in ISA_LEVELS if feature in features), "base")
             vendor = "amd" if mcpu.startswith(AMD_CPUS) else "arm" if triple.startswith("aarch64") else "intel"
