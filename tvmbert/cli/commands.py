@@ -32,7 +32,7 @@ def _common(func):
         click.option("--tokens", type=int, help="A packed build of this many tokens: the batch's real tokens run as one "
                      "stream, attention per sequence (no work on padding)."),
         click.option("--text", help="Example text, for models with a tokenizer."),
-        click.option("--dtype", help="float32 (default), float64, float16, bfloat16 or int8 (README: Precision)."),
+        click.option("--dtype", help="float32 (default), float64, float16, bfloat16 or int8 (docs/precision.md)."),
         click.option("--seed", type=int, help="Seed of a preset's random weights."),
         click.option("--allow-random-weights", is_flag=True, default=None, help="Compile a directory that lacks some weights "
                      "(a head saved without its classifier) with those drawn from --seed, for experiments; every report says so."),
