@@ -69,9 +69,9 @@ class ExportedModel:
     """``model(texts)`` or ``model(input_ids, attention_mask=..., ...)``; see ``run`` and ``encode``.
 
     Thread-safe: one lock around the bucket runs (a VM keeps per-call state in registers, and
-    each run already uses every core); padding and trimming run outside it, in parallel. 4 threads
-    on 2 cores took 1.5x as long with per-thread VMs instead (bert-tiny; 1.05x for MiniLM-L6):
-    they compete for the cores. The cost of the lock: a short call may wait for a long one in flight."""
+    each run already uses every core); padding and trimming run outside it, in parallel. Per-thread
+    VMs instead compete for the cores and took longer (docs/deploy.md, Threads). The cost of the
+    lock: a short call may wait for a long one in flight."""
 
     def __init__(self, path: str | Path, device=None, warn=None, variant: str | None = None):
         import tvm

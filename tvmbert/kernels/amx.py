@@ -6,8 +6,8 @@ permission their instructions need (build lists every kernel here as ``amx_kerne
 
 MetaSchedule's x86 tensor intrinsics cover VNNI's int8 only, and bf16 kernels scheduled by it
 convert every bf16 value to fp32 in the inner loop (slower than fp32). AVX512-BF16's ``vdpbf16ps``
-through a tensor intrinsic measured slower than fp32 too on Sapphire Rapids (~104 vs ~160 GFLOP/s
-per core). AMX's ``tdpbf16ps`` multiplies 16 x 32 by 32 x 16 bf16 tiles into 16 x 16 fp32
+through a tensor intrinsic measured slower than fp32 too on Sapphire Rapids (docs/benchmarks.md,
+bf16). AMX's ``tdpbf16ps`` multiplies 16 x 32 by 32 x 16 bf16 tiles into 16 x 16 fp32
 accumulators: ~1 TFLOP/s per core; ``tdpbusd`` 16 x 64 u8 by 64 x 16 s8 into 16 x 16 int32, twice
 that. TVM 0.27 has no AMX support, so the kernels are written directly in TIR with LLVM's AMX
 intrinsics, and marked scheduled: tuning, task extraction and the default schedules leave them alone.
@@ -175,9 +175,9 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     with a 32 x 32 int32 block in four accumulator tiles while row tiles (tmm4-5) and weight
     tiles (tmm6-7) stream along K, 64 at a time; the block is then stored, and dequantized with
     the column's start, the bias and the activation or residual a few rows per k step of the
-    next block, between its tile instructions: the vector units work while the tiles do (alone,
-    hot, 2 cores of a Sapphire Rapids: FFN up with its GELU 1.72 -> 1.50 ms, Q/K/V 0.87 -> 0.80;
-    the epilogue after each block took as long as a quarter of FFN up's tile work). A last half
+    next block, between its tile instructions: the vector units work while the tiles do (after
+    each block, the epilogue took as long as a quarter of FFN up's tile work: docs/benchmarks.md,
+    int8 on Sapphire Rapids). A last half
     block (16 rows) runs on two accumulators and one row tile."""
     import tvm
     from tvm.script import tirx as T

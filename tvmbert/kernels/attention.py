@@ -3,23 +3,23 @@
 
 As exported, a BERT layer's attention is nine kernels: the Q/K/V projection's output split in
 three, each reshaped and transposed head-major (K transposed twice), ``Q K^T`` with its scale and
-mask, softmax, ``P V``, and the transpose back. At bert-base 8 x 128 the split and transposes move
-data for 25 ms, the two matmuls (tuned) run at 150-210 GFLOP/s for 28 ms and the softmax takes
-14 ms. This kernel reads Q, K and V where the projection wrote them (columns of its output) and
-writes its result where the output projection reads it, so the moves vanish; per (sequence, head),
-K is transposed once into a buffer in cache and V copied contiguous, the scores are computed on
-FMA register tiles, scaled and masked as they are stored, the softmax runs over each row in cache
-(exp as ``scalar_math.exp_float32``) and ``P V`` accumulates in registers, divided by the row's
-sum as it is stored (PyTorch divides the probabilities first). Sums run in another order and the
-scale and mask may fuse into one FMA: within fp32 rounding of the graph. Shapes where the
-sequence or the head size is not a multiple of the vector lanes keep the graph.
+mask, softmax, ``P V``, and the transpose back: the split and transposes only move data, and the
+matmuls and softmax each reread what the one before wrote (CHANGELOG.md, 2026-11-22). This kernel
+reads Q, K and V where the projection wrote them (columns of its output) and writes its result
+where the output projection reads it, so the moves vanish; per (sequence, head), K is transposed
+once into a buffer in cache and V copied contiguous, the scores are computed on FMA register tiles,
+scaled and masked as they are stored, the softmax runs over each row in cache (exp as
+``scalar_math.exp_float32``) and ``P V`` accumulates in registers, divided by the row's sum as it
+is stored (PyTorch divides the probabilities first). Sums run in another order and the scale and
+mask may fuse into one FMA: within fp32 rounding of the graph. Shapes where the sequence or the
+head size is not a multiple of the vector lanes keep the graph.
 
 Where the projection runs on the FMA kernel and nothing else reads its result, that kernel writes
 it panel-major instead (``passes/fma_fp32.panel_major_variant``; with bert-base's 64-column panels, one panel
-per head's Q, K or V) and this one reads the panels: bert-base 8 x 128, both alone, the
-projection 12.1 -> 11.7 ms and the attention 2.4 -> 2.1 ms; where a panel is one head's V,
-``P V`` reads it in place, uncopied (2.07 -> 1.99 ms). With ``--dtype bfloat16`` on AMX only
-the weight matmuls are bf16 and the attention runs here too (8 x 128: 58 ms of graph kernels -> 25).
+per head's Q, K or V) and this one reads the panels, both faster for it; where a panel is one
+head's V, ``P V`` reads it in place, uncopied. With ``--dtype bfloat16`` on AMX only the weight
+matmuls are bf16 and the attention runs here too, in place of the graph's kernels (the
+measurements: CHANGELOG.md, 2026-11-22).
 
 ``amx_bf16_kernel`` is the same attention with its two matmuls on AMX-BF16 tiles, for int8 builds
 on AMX (``passes/pipeline.PassContext.attention_on_amx``).
@@ -142,7 +142,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
 
     # The next head's Q, K and V rows (strided columns of the operands, which the hardware
     # prefetcher does not follow) are prefetched while this head's scores are computed, spread
-    # over its score tiles: alone at bert-base 8 x 128, operands out of cache, 2.9 -> 2.6 ms.
+    # over its score tiles, so that they arrive by the time they are read (CHANGELOG.md, 2026-11-22).
     line_floats = CACHE_LINE // 4
     row_lines = -(-dim // line_floats)
     score_tiles = (seq // ROWS) * (seq // score_width)
@@ -305,7 +305,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     scale: float | None, tokens: int | None = None, panel: int = 0):
     """``kernel``'s attention (same operands and output) with its two matmuls on AMX-BF16
     (``tdpbf16ps``, fp32 sums), for the int8 build on AMX, where the fp32 kernel took a quarter of
-    bert-base's time at 8 x 128 (a layer alone: 1.9 ms, 1.3 here).
+    bert-base's time at 8 x 128 (docs/benchmarks.md, int8 on Sapphire Rapids).
 
     The scores to about 16 bits: Q and K split in a bf16 part and a bf16 rest, ``Qh Kh + Qh Kl +
     Ql Kh`` (what is left out, ``Ql Kl``, is 2^-16 of a product; bf16 alone keeps 2^-8). The

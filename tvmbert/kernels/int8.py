@@ -20,9 +20,8 @@ values a lane:
   column's scale is bounded by its pairs as well (``DotProduct.pair_levels``): ``|Wq[2j, n] +
   Wq[2j + 1, n]| <= 128``, and a pair's sum stays within 255 x 128 = 32640 (opposite signs: 255 x
   127). The weights keep 8 bits; a column whose largest two share a pair loses up to one bit
-  (all-MiniLM-L6-v2's scales grow 1.29x on average; what it costs: README, int8). 1.24-1.55x the exact
-  route it replaced, ``vpmaddwd`` on int16 rows and sign-extended weights (two products a lane,
-  ``benchmarks/int8_kernel.py``).
+  (what it costs: docs/precision.md, int8). Faster than the exact route it replaced, ``vpmaddwd``
+  on int16 rows and sign-extended weights (two products a lane: CHANGELOG.md, 2026-11-25).
 
 Both are exact: no sum leaves int32 (|start| + K x 255 x 127 <= K x 383 x 127 < 2^31 for K below
 44000).
@@ -56,11 +55,10 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
     or None where N is not a multiple of the lanes. Without VNNI each product needs a register of
     its own before it is added (``vpmaddubsw``, ``vpmaddwd`` by a register of ones, ``vpaddd``),
     besides the accumulators, the weight vectors and the broadcast: AVX2's 16 registers hold 3 x 3
-    (4 x 3, as the FMA kernel runs, spills; for bert-base's matmuls at 128 rows, 4 x 2, 5 x 2, 2 x
-    4 and 3 x 2 took 2-12% longer than 3 x 3, at 14 rows 5 x 2 was 7% faster: 2 Zen 3 cores, whose
-    byte route peaks at 88-99 GMAC/s a core, 1.8-2.0x its FMA's). ``vpdpbusd`` adds in place and
-    takes the same tiles (a register to spare): 1190-1420 GOP/s on 2 Emerald Rapids cores at 1024
-    rows, 3.5-4.1x the FMA kernel there (other tiles not tried)."""
+    (4 x 3, as the FMA kernel runs, spills; 3 x 3 beat the other tiles that fit at 128 rows on Zen
+    3, and one tile serves every row count: CHANGELOG.md, 2026-11-25). ``vpdpbusd`` adds in place and
+    takes the same tiles (a register to spare; other tiles not tried: docs/benchmarks.md, int8 on
+    Emerald Rapids)."""
     shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((3, 3), (3, 2), (3, 1))
     return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
 
@@ -190,7 +188,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
         if tail > 0:
             begin(c0, acc_tail, p, tail)
         # One k step at a time, not unrolled: LLVM unrolls it by itself, where unrolling 8 made it load
-        # later steps' weights early and spill accumulators (128 x 3072 x 768, 2 Zen 3 cores: 275 -> 294 GOP/s).
+        # later steps' weights early and spill accumulators (CHANGELOG.md, 2026-11-25).
         for kw in range(words):
             for q in T.unroll(per_step):
                 T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(

@@ -2,11 +2,11 @@
 (``passes/layer_norm_fp32.py``) calls it.
 
 TVM's legalized layer norm is three reductions and a map that MetaSchedule tunes per shape; tuned,
-bert-base 8 x 128's took 385 µs a call (25 calls) where reading and writing its 3 MB takes about
-250. This kernel takes one row at a time (a parallel loop over rows): the row's sum, then the sum
-of squared deviations from its mean (two passes over a row in L1, as PyTorch computes it, rather
-than E[x^2] - mean^2), each over several vector accumulators; then the normalized row, scaled and
-shifted, is stored."""
+it stayed well above the time its bytes take to read and write (CHANGELOG.md, 2026-11-22). This
+kernel takes one row at a time (a parallel loop over rows): the row's sum, then the sum of squared
+deviations from its mean (two passes over a row in L1, as PyTorch computes it, rather than E[x^2] -
+mean^2), each over several vector accumulators; then the normalized row, scaled and shifted, is
+stored."""
 
 from __future__ import annotations
 

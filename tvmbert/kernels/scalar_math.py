@@ -43,8 +43,8 @@ def exp_float32(x):
     """exp as Cephes' ``expf``: x = n ln2 + r (ln2 split in two constants), the polynomial in r,
     2^n written into the exponent bits. Within 1 ulp of the exact value on [-87, 0] (measured:
     0.99 ulp; TVM's ``fast_exp`` 4.5 ulp); 0 below -87, where the exact value is subnormal (a
-    masked attention score, ~-3.4e38: a subnormal probability would slow every multiply by it
-    ~100-fold, bert-base 8 x 128 with half the tokens masked ran 2.2x slower); 88 at most."""
+    masked attention score, ~-3.4e38: a subnormal probability slows every multiply by it, and
+    half-masked batches ran twice as slow: CHANGELOG.md, 2026-11-22); 88 at most."""
     from tvm import tirx
 
     clamped = tirx.max(tirx.min(x, _const(88.0)), _const(-87.0))

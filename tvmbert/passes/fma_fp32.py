@@ -11,9 +11,9 @@ def panel_major_variant(call, function, lanes: int):
     """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
     ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
     ``[n / width, m, width]``; None for one with a residual. Writing a tile's rows into one panel
-    is cheaper than into rows ``n`` floats apart (bert-base's Q/K/V projection at 8 x 128 alone:
-    12.1 -> 11.7 ms), and where the panel width is the head size (6 x 4 tiles, bert-base), each
-    panel is one head's Q, K or V, which the attention kernel then reads whole."""
+    is cheaper than into rows ``n`` floats apart (CHANGELOG.md, 2026-11-22), and where the panel
+    width is the head size (6 x 4 tiles, bert-base), each panel is one head's Q, K or V, which the
+    attention kernel then reads whole."""
     import numpy as np
 
     from tvmbert.ir.dataflow import static_shape

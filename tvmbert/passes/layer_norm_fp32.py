@@ -11,8 +11,8 @@ def layer_norm_rewrite(lanes: int, min_rows: int):
     scale and shift, whose size is a multiple of the vector lanes, over as many rows as the FMA
     kernel takes (``min_rows``), becomes one call of the kernel, together with the residual
     add before it where nothing else uses the sum (it runs before ``fma-fp32``, whose kernel
-    would otherwise add the residual as it stores: +0.4-0.9 ms a call at 1024 rows there, ~0.1 ms
-    here, where the row is read anyway)."""
+    would otherwise add the residual as it stores, at a higher cost than here, where the row is
+    read anyway: CHANGELOG.md, 2026-11-22)."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import dataflow, row_count, static_shape, unread

@@ -6,8 +6,8 @@ from __future__ import annotations
 def vectorized_erf() -> dict:
     """LegalizeOps overrides for float32 GELU and erf: erf as a rational polynomial
     (``scalar_math.erf_float32``, TVM's ``fast_erf``: 4.2e-7 max abs error, a few ulp) instead of
-    libm's ``erff``, a scalar call LLVM cannot vectorize: bert-base's 14 x 3072 GELU kernel took
-    245 µs x 12 layers with it. GELU stays the exact, erf form (``--fast-math`` is the tanh one);
+    libm's ``erff``, a scalar call LLVM cannot vectorize, which kept the GELU kernel's loop scalar
+    (CHANGELOG.md, 2026-11-21). GELU stays the exact, erf form (``--fast-math`` is the tanh one);
     other dtypes keep libm's erf."""
     import tvm
     from tvm import te
@@ -33,8 +33,8 @@ def vectorized_erf() -> dict:
 
 def vectorized_softmax() -> dict:
     """LegalizeOps override for float32 softmax: TVM's four stages (max, exp, sum, divide) with
-    ``scalar_math.exp_float32`` (within 1 ulp, vectorizable) for libm's ``expf``: bert-base
-    1 x 128's softmax took ~600 µs x 12 layers with the scalar call. Other dtypes keep TVM's softmax; ``--fast-math`` has its own."""
+    ``scalar_math.exp_float32`` (within 1 ulp, vectorizable) for libm's ``expf``, a scalar call
+    that kept the softmax's loop scalar (CHANGELOG.md, 2026-11-22). Other dtypes keep TVM's softmax; ``--fast-math`` has its own."""
     import tvm
     from tvm import te
 

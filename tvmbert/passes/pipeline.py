@@ -43,7 +43,7 @@ class PassContext:
     def attention_on_amx(self) -> bool:
         """Attention's two matmuls on AMX-BF16 (scores to about 16 bits, bf16 probabilities and
         values), for int8 on CPUs with AMX, where the fp32 kernel took a quarter of bert-base's
-        int8 time at 8 x 128; all-MiniLM-L6-v2's accuracy stays int8's (README: Precision)."""
+        int8 time at 8 x 128; all-MiniLM-L6-v2's accuracy stays int8's (docs/precision.md)."""
         return self.dtype == "int8" and self.target is not None and self.target.has_amx_bf16
 
 

@@ -52,7 +52,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 SHORT_TEXT = "Hello"  # the example text of buckets shorter than the default one (trace needs some tokens)
 TIMED_RUNS = 5  # per bucket, after one warm-up: the cost the loader's planner weighs buckets by
 # A packed bucket per fraction of batch x seq_len tokens; the padded bucket serves full batches
-# (and rows masked whole). bert-base 8 x 128 at half fill: see README, Deploy.
+# (and rows masked whole). bert-base 8 x 128 at half fill: docs/benchmarks.md, Padding-free batches.
 PACKED_FILLS = (0.25, 0.5)
 
 

@@ -82,8 +82,8 @@ def make_builder(cpu: bool, workers: int):
 def evaluator(cold: bool):
     """How a candidate is timed. ``cold`` (CPU targets): every run starts with the kernel's inputs
     other than the first (the weights) flushed from the caches, as in an inference, which streams
-    all the weights once; timed hot, a bert-base 1x14 matmul looks 2-5x faster than it runs there,
-    and the search picks schedules that read weights in cache-friendly but DRAM-hostile orders.
+    all the weights once; timed hot, a bert-base 1x14 matmul looks several times faster than it
+    runs there (docs/benchmarks.md, Tuning), and the search picks schedules that read weights in cache-friendly but DRAM-hostile orders.
     Hot (GPUs): 3 runs of at least 100 ms."""
     from tvm.s_tir import meta_schedule as ms
 

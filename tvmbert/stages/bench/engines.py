@@ -25,9 +25,9 @@ ENGINES = tuple(registry.ENGINES)  # their names, in report order
 # ONNX Runtime's dynamic quantization 0.16, OpenVINO's NNCF 0.17): verify measures its accuracy.
 CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16": 5e-2, "int8": 1.0}
 # The dtype the PyTorch peers run in, per --dtype: with --dtype bfloat16 the model cast to bf16,
-# as HuggingFace users run bf16 inference on CPUs (from_pretrained(torch_dtype=torch.bfloat16));
-# bert-base 1 x 128 on Sapphire Rapids, 2 threads: 36 ms cast vs 59 ms under torch.autocast and
-# 103 ms in fp32, so the cast is also the faster peer. Everything runs in bf16 there (layer norm,
+# as HuggingFace users run bf16 inference on CPUs (from_pretrained(torch_dtype=torch.bfloat16)),
+# and the cast also ran faster than torch.autocast (docs/benchmarks.md, bf16): the faster peer is
+# the fair one. Everything runs in bf16 there (layer norm,
 # softmax, GELU too), so its error against fp32 is larger than TVM's: PEER_CHECK_TOLERANCE.
 # float16 peers stay float32 (PyTorch's CPU fp16 is slow); ONNX Runtime always runs float32.
 # OpenVINO follows PyTorch: its bf16 precision hint (AMX or AVX512-BF16), else f32.
@@ -40,8 +40,8 @@ QUANTIZED_PEERS = {
     "ort-int8": "int8 weight matmuls (ONNX Runtime dynamic quantization: weights per channel, inputs u8 per tensor)",
     "openvino-int8": "int8 (NNCF post-training quantization, calibrated on the bench's inputs)",
 }
-# Per output channel, as tvm quantizes: as fast as per tensor (bert-base on 2 Zen 3 cores, 1 x 128:
-# 104.9 vs 106.6 ms; 1 x 14: 25.3 vs 24.7) and closer to fp32.
+# Per output channel, as tvm quantizes: as fast as per tensor (docs/benchmarks.md, How bench
+# measures) and closer to fp32.
 PER_CHANNEL_ORT = True
 CALIBRATION_SAMPLES = 16  # openvino-int8's calibration inputs
 

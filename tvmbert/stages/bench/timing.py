@@ -20,8 +20,8 @@ from tvmbert.stages.job import Job
 MAX_RUNS_FACTOR = 50  # a safety stop: never more than repeat x this many runs per engine
 # A round of one engine: untimed calls for ROUND_WARM_S (at least one: its thread pool wakes),
 # then timed calls for ROUND_S and at least ROUND_RUNS. Short calls thus get timed back to back
-# in a steady state, as a user calling them sees them: bert-tiny 1 x 14 on 2 Zen 3 cores in rounds
-# of 3 calls after a quiet wait ran 0.235 ms median, p99 1.71x; back to back 0.183 ms, p99 1.34x.
+# in a steady state, as a user calling them sees them: a few calls after each quiet wait time the
+# wait's wake-up too (bert-tiny's median and p99 both grew: CHANGELOG.md, 2026-11-25).
 ROUND_RUNS = 3
 ROUND_WARM_S = 0.002
 ROUND_S = 0.02
@@ -34,8 +34,8 @@ QUIET_MAX_S = 1.0
 IDLE_S = 0.2  # "after idle": a call after this long without calls, as bursty traffic makes them
 IDLE_RUNS = 5
 # The machine's own jitter, timed in the same rounds: a fixed single-thread task (a SHA-256 of
-# JITTER_BYTES, 0.7 ms on Zen 3) JITTER_RUNS times a round. Its p99 over its median is the tail no
-# engine can beat here (a shared 2-core Zen 3 VM: 1.26x to 2.03x within an hour).
+# JITTER_BYTES, under a millisecond) JITTER_RUNS times a round. Its p99 over its median is the tail
+# no engine can beat here (a shared VM's moves within the hour: docs/benchmarks.md).
 JITTER_BYTES = 2**20
 JITTER_RUNS = 3
 
@@ -66,8 +66,8 @@ def engines_objects_frozen():
     """Python's cyclic garbage collector kept off every object the engines were set up with: one
     process holds them all (PyTorch, Inductor, OpenVINO: millions of objects), and a collection
     that traverses them lands in whichever engine's call happens to allocate, a cost no process
-    running one engine pays (bert-tiny 1 x 14 in make demo on 2 Zen 3 cores: tvm p99 2.38x / 4.20x
-    its median -> 1.92x / 1.93x). What the rounds themselves allocate is collected between them."""
+    running one engine pays (tvm's p99 in make demo on a loaded VM was up to twice as far from its
+    median: CHANGELOG.md, 2026-11-25). What the rounds themselves allocate is collected between them."""
     gc.collect()
     gc.freeze()
     try:
