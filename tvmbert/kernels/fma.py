@@ -32,6 +32,8 @@ ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for no
 # wins everywhere (an export's small buckets are rarely tuned: 1 x 16 untuned 40.8 ms, kernel
 # 21.3). The fewest rows our kernels take, by target key (1 where a key is not listed): the
 # pipeline's PassContext.min_rows; a function of the target alone, so that tune and build agree.
+# A key names the instruction sets the target has (core/targets.llvm_key): a Sapphire Rapids whose
+# VM hides AVX-512 is llvm-sapphirerapids_no-avx512f, where the AVX-512 records do not run.
 MIN_ROWS = {"llvm-sapphirerapids": 16}
 CACHE_LINE = 64
 STACK_BYTES = 1023  # the largest buffer TVM allocates on the stack (runtime::kMaxStackAlloca - 1)
