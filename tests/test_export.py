@@ -259,9 +259,9 @@ def test_a_build_with_amx_kernels_is_passed_over_where_this_process_cannot_have_
         load(fleet)
 
 
-def test_cpus_naming_this_cpu_with_and_without_amx_is_refused_not_one_dropped(tmp_path, workdir, monkeypatch):
+def test_cpus_naming_this_cpu_with_and_without_amx_is_refused_not_one_dropped(tmp_path, workdir, monkeypatch, present_host):
     """Where this process cannot have AMX, native builds sapphirerapids without it: one key, two builds."""
-    monkeypatch.setattr(targets, "host_mcpu", lambda: "sapphirerapids")
+    present_host("sapphirerapids")
     monkeypatch.setattr(targets, "host_grants_amx", lambda: False)
     with pytest.raises(InputError, match="both build for llvm-sapphirerapids.*-mattr=-amx-tile"):
         export(JobConfig(model="bert-tiny", workdir=str(workdir)), tmp_path / "p", batches=(1,), seq_lens=(8,),
