@@ -204,13 +204,9 @@ def host_flags() -> frozenset[str]:
     return hosts.current().flags
 
 
-def host_mcpu() -> str:
-    """The CPU name LLVM schedules the host's code for (the wheel's LLVM refuses mcpu=native)."""
-    return host_config()["mcpu"]
-
-
 def host_config() -> dict:
-    """``mcpu`` and ``mattr`` of exactly what the host runs (``config_for_host``)."""
+    """``mcpu`` and ``mattr`` of exactly what the host runs (``config_for_host``): the wheel's LLVM
+    refuses mcpu=native, and a CPU's name alone claims more than a VM may give."""
     return config_for_host(hosts.current())
 
 
@@ -335,6 +331,7 @@ def resolve(text: str) -> TargetSpec:
     # This host's CPU, as its flags say, unless the user named a CPU; AMX left to what this process
     # can use, unless the user named AMX too.
     on_host = facts.host is not None and facts.key_option not in options
+    amx_named = any("amx" in str(e) for e in options.get("mattr", ()))
     if on_host:
         host = facts.host()
         options = {**host, **options, **({"mattr": [*host["mattr"], *options.get("mattr", ())]} if "mattr" in host else {})}
@@ -354,8 +351,7 @@ def resolve(text: str) -> TargetSpec:
         _check_llvm_features(text, config)
     key = llvm_key(config) if kind == "llvm" else _key(kind, options[facts.key_option])
     spec = TargetSpec(text=text, config=config, key=key)
-    user_amx = any("amx" in str(e) for e in options.get("mattr", ()) if str(e) not in host_config().get("mattr", ()))
-    if on_host and not user_amx and not host_grants_amx() and spec.has_features(AMX_TILE):
+    if on_host and not amx_named and not host_grants_amx() and spec.has_features(AMX_TILE):
         return TargetSpec(text=text, config={**config, "mattr": [*config.get("mattr", ()), f"-{AMX_TILE}"]}, key=key,
                           amx_withheld=True)
     return spec
@@ -413,7 +409,7 @@ def cpu_of_key(key: str) -> dict | None:
     if kind != "llvm" or not rest:
         return None
     mcpu, *parts = re.split(f"({WITHOUT}|{WITH})", rest)
-    by_key = {_key("", f)[1:]: f for f in INSTRUCTION_SETS}  # the names as a key spells them (sse4_2)
+    by_key = {_spelled(f): f for f in INSTRUCTION_SETS}  # the names as a key spells them (sse4_2)
     mattr = [("-" if sign == WITHOUT else "+") + by_key.get(name, name) for sign, name in zip(parts[::2], parts[1::2])]
     # Additions first, as host_config orders them: a removal then takes off what depends on it.
     return {"kind": "llvm", "mcpu": mcpu, **({"mattr": sorted(mattr, key=lambda e: e[0] == "-")} if mattr else {})}
@@ -445,7 +441,11 @@ def _needs(feature: str) -> frozenset[str]:
 
 def _key(kind: str, detail) -> str:
     """Names the target's folders under tuning_logs/ and build/: whatever the detail, no '/' or '..'."""
-    return f"{kind}-{re.sub(r'[^A-Za-z0-9_+-]', '_', str(detail))}"
+    return f"{kind}-{_spelled(detail)}"
+
+
+def _spelled(detail) -> str:
+    return re.sub(r"[^A-Za-z0-9_+-]", "_", str(detail))
 
 
 def _local_cuda_arch() -> str | None:
