@@ -26,17 +26,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 log="$OUT/log.txt"
 lscpu | grep -v Vulnerab > "$log"
 
-step() {  # step NAME SECONDS COMMAND...: stdout to $OUT/NAME, stderr to the log (timeout stops its whole group: exit 124)
-    local name=$1 limit=$2 start
-    shift 2
-    start=$(date +%s)
-    echo "== $name: $*" >> "$log"
-    timeout "$limit" "$@" > "$OUT/$name" 2>> "$log"
-    echo "== $name: exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
-}
-
 steps=" ${STEPS:-tests int8-b8 profile int8-b1 kernels} "  # 560 s at most; int8-b8-ort and fp32-b8 on request
-run() { [[ $steps == *" $1 "* ]]; }
+source benchmarks/steps.sh
 # openvino-int8 too where OpenVINO and NNCF were carried (the machine's image lacks them)
 engines=tvm,ort-int8$("$PY" -c "import openvino, nncf" 2>/dev/null && echo ,openvino-int8)
 # test_attention.py's AMX tests only: its fp32 ones would take the step's time (an Emerald Rapids: 95% done at 100 s with them all)

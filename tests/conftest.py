@@ -11,7 +11,7 @@ import pytest
 from tvmbert.cli import main
 from tvmbert.core import hosts
 
-from helpers import ALIKE, HOST_AMX, HOST_AMX_INT8, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
+from helpers import ALIKE, CUDA_PRESENT, HOST_AMX, HOST_AMX_INT8, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
 
 
 @dataclass
@@ -94,6 +94,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "simd: runs our fp32 kernels on this CPU: needs AVX-512, or AVX2 with FMA")
     config.addinivalue_line("markers", "amx: runs bf16 kernels on AMX: needs AMX-BF16, granted by the kernel")
     config.addinivalue_line("markers", "amx_int8: runs int8 kernels on AMX: needs AMX-INT8, granted by the kernel")
+    config.addinivalue_line("markers", "cuda: runs on a CUDA GPU (benchmarks/gpu_run.sh runs them on a lent machine)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,6 +104,7 @@ def pytest_collection_modifyitems(config, items):
         "simd": None if HOST_LANES else "this CPU has neither AVX-512 nor AVX2 with FMA",
         "amx": None if HOST_AMX else "this CPU has no AMX-BF16 (or the kernel does not grant it): --dtype bfloat16 is refused here",
         "amx_int8": None if HOST_AMX_INT8 else "this CPU has no AMX-INT8 (or the kernel does not grant it): int8 runs on vectors here",
+        "cuda": None if CUDA_PRESENT else "no CUDA device on this machine",
     }
     for item in items:
         for marker, reason in lacking.items():

@@ -39,6 +39,7 @@ if HOST_AMX or HOST_AMX_INT8:  # tests that call an AMX kernel themselves, not t
     from tvmbert.deploy.loader import request_amx_permission
 
     request_amx_permission()
+CUDA_PRESENT = targets.resolve("cuda").device_present()  # tests marked cuda run (on a lent GPU machine)
 # The instruction this CPU's int8 weight matmuls run on (kernels/int8.py, kernels/amx.py).
 HOST_INT8_INSTRUCTION = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else HOST_TARGET.int8_instruction
 # bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.

@@ -55,16 +55,17 @@ class BenchEngine:
     requires: tuple[str, ...] = ()  # modules it imports, from tvmbert's [peers] extra: without them it is skipped
     default: bool = True  # timed when --engines is not given (else only when named, or by bench --packed)
     quantized: str | None = None  # the dtype it quantizes the model's matmuls to: timed by default for that --dtype only
+    on_gpu: bool = False  # runs on a GPU target's device (the others run on the CPU: never timed against a GPU build)
 
 
 # In report order; tvm, the subject, first.
 ENGINES = {engine.name: engine for engine in (
-    BenchEngine("tvm", "stages.bench.engines:tvm_engine"),
+    BenchEngine("tvm", "stages.bench.engines:tvm_engine", on_gpu=True),
     # The packed build of the same rows (packing.py): one more build per shape, so asked for.
-    BenchEngine("tvm-packed", "stages.bench.engines:tvm_packed_engine", default=False),
-    BenchEngine("torch-eager", "stages.bench.engines:torch_eager"),
-    BenchEngine("torch-sdpa", "stages.bench.engines:torch_sdpa"),
-    BenchEngine("torch-compile", "stages.bench.engines:torch_compile"),
+    BenchEngine("tvm-packed", "stages.bench.engines:tvm_packed_engine", default=False, on_gpu=True),
+    BenchEngine("torch-eager", "stages.bench.engines:torch_eager", on_gpu=True),
+    BenchEngine("torch-sdpa", "stages.bench.engines:torch_sdpa", on_gpu=True),
+    BenchEngine("torch-compile", "stages.bench.engines:torch_compile", on_gpu=True),
     BenchEngine("onnxruntime", "stages.bench.engines:onnxruntime_engine", requires=("onnxruntime", "onnx", "onnxscript")),
     BenchEngine("openvino", "stages.bench.engines:openvino_engine", requires=("openvino",)),
     # What users who quantize pick on CPUs (sentence-transformers' guidance: ONNX int8, OpenVINO int8).

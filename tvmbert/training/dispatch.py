@@ -97,6 +97,7 @@ def add_tvm_dispatch(module, sample_inputs, target: str = "llvm", log_dir: str |
         raise InputError("add_tvm_dispatch: sample_inputs must be a tensor or a tuple of tensors")
     spec = targets.resolve(target)
     check_cpu("add_tvm_dispatch", spec.config)
+    check_device(spec, inputs)
     dispatch = _Dispatch(module, inputs, spec, Path(log_dir), verbose)
     dispatch.compiled_for(dispatch.mode())  # compile now, for the module's current mode
     setattr(module, ATTRIBUTE, dispatch)
@@ -401,6 +402,16 @@ def training_module(forward, module, inputs):
     return split, sites, params, out_spec, n_outputs
 
 
+def check_device(target, inputs) -> None:
+    """The sample inputs live where the target's code runs: DLPack hands TVM PyTorch's memory as it
+    is, so CPU tensors for a GPU build (or the reverse) would reach its kernels on the wrong device."""
+    wanted = "cuda" if target.is_gpu else "cpu"  # PyTorch names ROCm's device "cuda" too
+    found = sorted({t.device.type for t in inputs})
+    if found != [wanted]:
+        raise InputError(f"add_tvm_dispatch: target {target.key} runs on {target.device_type}, and the sample inputs are on "
+                         f"{', '.join(found)}: move the module and its inputs there (module.to('{wanted}'))")
+
+
 def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
     import tvm
     from tvm import relax
@@ -409,7 +420,7 @@ def compile_module(forward, module, inputs, target, log_dir: Path) -> Compiled:
 
     split, sites, params, out_spec, n_outputs = training_module(forward, module, inputs)
     compiled = compile_tuned(lowering(ENTRIES)(split.module), target, log_dir, to_stderr, ENTRIES, label=type(module).__name__)
-    device = tvm.device(inputs[0].device.type, inputs[0].device.index or 0)
+    device = tvm.device(target.device_type, inputs[0].device.index or 0)  # torch's "cuda" is TVM's rocm on ROCm
     vm = relax.VirtualMachine(compiled.executable, device)
     param_signature = Signature.of([_lookup(module, name) for name in params])
     return Compiled(vm, sites, params, param_signature, len(inputs), n_outputs, out_spec, split, len(compiled.tasks),

@@ -13,6 +13,7 @@ import numpy as np
 
 from tvmbert.core import registry
 from tvmbert.core.config import torch_dtype
+from tvmbert.core.errors import InputError
 from tvmbert.deploy import packing
 from tvmbert.deploy.compiled import CompiledModel
 from tvmbert.frontend import models
@@ -29,9 +30,11 @@ CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16"
 # and the cast also ran faster than torch.autocast (docs/benchmarks.md, bf16): the faster peer is
 # the fair one. Everything runs in bf16 there (layer norm,
 # softmax, GELU too), so its error against fp32 is larger than TVM's: PEER_CHECK_TOLERANCE.
-# float16 peers stay float32 (PyTorch's CPU fp16 is slow); ONNX Runtime always runs float32.
-# OpenVINO follows PyTorch: its bf16 precision hint (AMX or AVX512-BF16), else f32.
+# float16 peers stay float32 on CPUs (PyTorch's CPU fp16 is slow) and run float16 on GPUs, as
+# users run them there; ONNX Runtime always runs float32. OpenVINO follows PyTorch: its bf16
+# precision hint (AMX or AVX512-BF16), else f32.
 PEER_DTYPE = {"bfloat16": "bfloat16"}
+GPU_PEER_DTYPE = {"bfloat16": "bfloat16", "float16": "float16"}
 PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1}
 IN_PEER_DTYPE = ("torch-eager", "torch-sdpa", "torch-compile", "openvino")  # the engines PEER_DTYPE applies to
 OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
@@ -46,22 +49,29 @@ PER_CHANNEL_ORT = True
 CALIBRATION_SAMPLES = 16  # openvino-int8's calibration inputs
 
 
-def default_engines(dtype: str) -> tuple[str, ...]:
-    """Every default engine, and the peers that quantize to ``dtype``."""
-    return tuple(name for name, engine in registry.ENGINES.items() if engine.default and engine.quantized in (None, dtype))
+def default_engines(dtype: str, gpu: bool = False) -> tuple[str, ...]:
+    """Every default engine, and the peers that quantize to ``dtype``; for a GPU build, those
+    that run on its GPU."""
+    return tuple(name for name, engine in registry.ENGINES.items()
+                 if engine.default and engine.quantized in (None, dtype) and (engine.on_gpu or not gpu))
 
 
-def peer_dtype(dtype: str) -> str:
-    return PEER_DTYPE.get(dtype, torch_dtype(dtype))
+def peer_dtype(dtype: str, gpu: bool = False) -> str:
+    return (GPU_PEER_DTYPE if gpu else PEER_DTYPE).get(dtype, torch_dtype(dtype))
 
 
-def check_tolerance(engine: str, dtype: str) -> float:
+def check_tolerance(engine: str, dtype: str, gpu: bool = False) -> float:
     quantized = registry.ENGINES[engine].quantized
     if quantized is not None:
         return CHECK_TOLERANCE[quantized]
-    if engine in IN_PEER_DTYPE and peer_dtype(dtype) != torch_dtype(dtype):
-        return PEER_CHECK_TOLERANCE[dtype]
+    if engine in IN_PEER_DTYPE and peer_dtype(dtype, gpu) != torch_dtype(dtype):
+        return PEER_CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[dtype])
     return CHECK_TOLERANCE[dtype]
+
+
+def torch_device(job: Job) -> str:
+    """Where the PyTorch peers run: a GPU build's GPU (PyTorch names ROCm's "cuda" too), else the CPU."""
+    return "cuda" if job.target.is_gpu else "cpu"
 
 
 @dataclass
@@ -107,22 +117,40 @@ def tvm_packed_engine(job: Job, inputs, threads: int) -> Engine:
 
 
 def _torch(name: str, job: Job, inputs, attention: str, compiled: bool = False, dtype: str | None = None) -> Engine:
+    """A PyTorch peer on ``torch_device``: on a GPU, each call synchronized (kernels launch
+    asynchronously, and a timer would otherwise time the launches)."""
     import torch
 
-    model = models.load(job.source, dtype or peer_dtype(job.config.dtype), job.config.seed, attn_implementation=attention)
+    device = torch_device(job)
+    model = models.load(job.source, dtype or peer_dtype(job.config.dtype, job.target.is_gpu), job.config.seed,
+                        attn_implementation=attention).to(device)
     if compiled:
         model = torch.compile(model, backend="inductor")
+    placed = tuple(t.to(device) for t in inputs)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         with torch.inference_mode():
-            return model(*inputs)
+            outputs = model(*placed)
+        synchronize()
+        return outputs
 
-    return Engine(name, run, lambda: [t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in run()])
+    return Engine(name, run, lambda: [t.float().cpu().numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.cpu().numpy()
+                                      for t in run()])
 
 
 def reference(job: Job, inputs) -> list[np.ndarray]:
     """What every engine is checked against: PyTorch eager in fp32 (fp64 for float64)."""
     return [np.asarray(o) for o in _torch("torch-eager", job, inputs, "eager", dtype=torch_dtype(job.config.dtype)).outputs()]
+
+
+def check_engines(job: Job, names) -> None:
+    """A GPU build is timed against peers on its GPU: a CPU-only peer named for it is refused."""
+    on_cpu = [name for name in names if job.target.is_gpu and not registry.ENGINES[name].on_gpu]
+    if on_cpu:
+        gpu_peers = ", ".join(n for n, e in registry.ENGINES.items() if e.on_gpu and not n.startswith("tvm"))
+        raise InputError(f"--engines: {', '.join(on_cpu)} {'runs' if len(on_cpu) == 1 else 'run'} on the CPU only, and a "
+                         f"{job.target.kind} build is timed against peers on its GPU: {gpu_peers}")
 
 
 def torch_eager(job: Job, inputs, threads: int) -> Engine:

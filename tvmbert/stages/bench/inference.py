@@ -17,6 +17,7 @@ from tvmbert.stages.bench.engines import (
     _available,
     _check,
     _make,
+    check_engines,
     check_tolerance,
     default_engines,
     peer_dtype,
@@ -69,13 +70,13 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             report[name] = {"skipped": reason}
             job.say(f"bench: {name} skipped: {reason}")
     eager = next((e for e in engines if e.name == "torch-eager"), None)
-    if eager is not None and peer_dtype(job.config.dtype) == torch_dtype(job.config.dtype):
+    if eager is not None and peer_dtype(job.config.dtype, job.target.is_gpu) == torch_dtype(job.config.dtype):
         expected = [np.asarray(o) for o in eager.outputs()]
     else:  # no eager engine, or it runs in bf16: the fp32 reference apart
         expected = reference(job, inputs)
     timed = []
     for engine in engines:
-        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype))
+        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype, job.target.is_gpu))
         if problem:
             report[engine.name] = {"skipped": problem}
             job.say(f"bench: {engine.name} not timed: {problem}")
@@ -91,7 +92,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
 
 
-def engine_dtypes(dtype: str, engines) -> dict[str, str]:
+def engine_dtypes(dtype: str, engines, gpu: bool = False) -> dict[str, str]:
     """What each engine computes in, as the report says it."""
     described = {}
     for name in engines:
@@ -103,7 +104,7 @@ def engine_dtypes(dtype: str, engines) -> dict[str, str]:
         elif name in QUANTIZED_PEERS:
             described[name] = QUANTIZED_PEERS[name]
         elif name in IN_PEER_DTYPE:
-            peer = peer_dtype(dtype)
+            peer = peer_dtype(dtype, gpu)
             described[name] = f"{peer} (model cast to {peer})" if peer != torch_dtype(dtype) else peer
         else:
             described[name] = torch_dtype(dtype)
@@ -114,9 +115,10 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
           packed: bool = False) -> dict:
     """Every engine (default: ``default_engines`` of the job's dtype; ``packed`` adds tvm-packed)
     at each shape."""
+    engines = job.config.bench.engines or default_engines(job.config.dtype, job.target.is_gpu)
+    check_engines(job, engines)
     if not job.target.device_present():
         raise ToolchainError(f"bench runs the model: this machine has no {job.target.kind} device")
-    engines = job.config.bench.engines or default_engines(job.config.dtype)
     if packed and "tvm-packed" not in engines:
         engines = (*engines, "tvm-packed")
     if any(not 0.0 <= p < 1.0 for p in paddings):
@@ -136,7 +138,7 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
     drawn = sorted({name for result in results for name in result.pop("random_weights")})
     report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn,
               "environment": environment(job, threads),
-              "engine_dtypes": engine_dtypes(job.config.dtype, engines), "results": results}
+              "engine_dtypes": engine_dtypes(job.config.dtype, engines, job.target.is_gpu), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})
         report["shape"] = {"batch": results[0]["batch"], "seq_len": results[0]["seq_len"], "padding": results[0]["padding"]}
