@@ -336,5 +336,29 @@ def run_config(config_path, model, target, workdir, log_dir, force, as_json):
         raise CheckFailed(failure(results["verify"]))
 
 
+@click.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: one the OS picks (printed).")
+@click.option("--max-batch-tokens", type=click.IntRange(1), default=16384, show_default=True,
+              help="Tokens of concurrent requests merged into one run.")
+@click.option("--max-wait-ms", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="How long an idle server's first request waits for others to join its batch.")
+@click.option("--max-concurrent-requests", type=click.IntRange(1), default=512, show_default=True,
+              help="Requests in flight at once; beyond, 429.")
+@click.option("--max-inputs", type=click.IntRange(1), default=256, show_default=True, help="Texts in one request; beyond, 413.")
+@click.option("--pooling", help="mean_tokens, cls_token, max_tokens or mean_sqrt_len_tokens (default: what the model's "
+              "sentence-transformers config says, else mean_tokens).")
+def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_requests, max_inputs, pooling):
+    """Serve an exported package over HTTP: OpenAI's /v1/embeddings, TEI's /embed and /predict,
+    /health, /info, /metrics (docs/serving.md)."""
+    from tvmbert.serve.app import Limits
+    from tvmbert.serve.app import serve as run
+
+    limits = Limits(max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms, max_concurrent_requests=max_concurrent_requests,
+                    max_inputs=max_inputs)
+    run(package, host, port, limits, pooling, ready=lambda bound: err.print(f"serve: {package} on http://{host}:{bound}"))
+
+
 # In the order `tvmbert --help` lists them.
-COMMANDS = (trace, convert, optimize, tune, compact, build, verify, bench, export, run_config)
+COMMANDS = (trace, convert, optimize, tune, compact, build, verify, bench, export, run_config, serve)

@@ -105,7 +105,7 @@ class ExportedModel:
             raise PackageError(f"{self.path / MANIFEST_FILE}: not a manifest tvmbert export writes ({type(exc).__name__}: "
                                f"{exc}); export the package again") from None
         self._lock = threading.Lock()
-        self._tokenizer = None
+        self._tokenizer = self._truncating = None
         self._tokenizer_lock = threading.Lock()
 
     # ---- loading ---------------------------------------------------------------------------
@@ -164,16 +164,27 @@ class ExportedModel:
     def encode(self, texts) -> dict:
         """Tokenizes and runs; per-token outputs come back as one array per text, trimmed to its
         tokens; per-sequence outputs (pooled, logits) as one array over the texts."""
+        return self.run_encodings(self.tokenize(texts))
+
+    def tokenize(self, texts, truncate: bool = False) -> list:
+        """The texts' encodings (the ``tokenizers`` package's). A text over the largest bucket is an
+        InputError, or with ``truncate`` cut to it as the tokenizer truncates (special tokens kept)."""
         if isinstance(texts, (str, tuple)):
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(_is_text(t) for t in texts):
             raise InputError("encode takes a string, or a non-empty list of strings or of (text, pair) tuples of strings")
-        encodings = self.tokenizer().encode_batch(texts)
-        lengths = np.array([len(e.ids) for e in encodings])
-        if lengths.max() > self.max_seq_len:
+        encodings = (self._truncating_tokenizer() if truncate else self.tokenizer()).encode_batch(texts)
+        lengths = [len(e.ids) for e in encodings]
+        if max(lengths) > self.max_seq_len:
             longest = int(np.argmax(lengths))
             raise InputError(f"text {longest} has {lengths[longest]} tokens; this package takes at most {self.max_seq_len} "
                              f"(its largest bucket): shorten it, or export with a larger --seq-len")
+        return encodings
+
+    def run_encodings(self, encodings) -> dict:
+        """``encode`` of texts ``tokenize`` encoded (a server tokenizes each request as it comes,
+        and runs many requests' encodings at once)."""
+        lengths = np.array([len(e.ids) for e in encodings])
         width = int(lengths.max())
         fields = {"input_ids": "ids", MASK_INPUT: "attention_mask", "token_type_ids": "type_ids"}
         missing = [name for name in self.input_names if name not in fields]
@@ -181,12 +192,12 @@ class ExportedModel:
             raise InputError(f"this model takes {', '.join(missing)}, which a tokenizer does not give: call run() with arrays")
         arrays = {}
         for name in self.input_names:
-            array = np.full((len(texts), width), self._pad(name), dtype=np.int64)
+            array = np.full((len(encodings), width), self._pad(name), dtype=np.int64)
             for row, encoding in enumerate(encodings):
                 array[row, : lengths[row]] = getattr(encoding, fields[name])
             arrays[name] = array
         results = self._run_checked(arrays, lengths)
-        return {name: ([values[row, : lengths[row]] for row in range(len(texts))] if self._per_token(name) else values)
+        return {name: ([values[row, : lengths[row]] for row in range(len(encodings))] if self._per_token(name) else values)
                 for name, values in results.items()}
 
     def run(self, *arrays, **named) -> dict:
@@ -342,6 +353,19 @@ class ExportedModel:
                 tokenizer.no_padding()
                 self._tokenizer = tokenizer
         return self._tokenizer
+
+    def _truncating_tokenizer(self):
+        """The tokenizer cutting each text to the largest bucket (TEI's ``truncate``)."""
+        self.tokenizer()  # the same checks first (it takes the lock itself)
+        with self._tokenizer_lock:
+            if self._truncating is None:
+                from tokenizers import Tokenizer
+
+                tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
+                tokenizer.enable_truncation(self.max_seq_len)
+                tokenizer.no_padding()
+                self._truncating = tokenizer
+        return self._truncating
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{b.batch}x{b.seq_len}" + (f"/{b.tokens}" if b.tokens else "") for b in self.buckets)

@@ -47,6 +47,7 @@ from tvmbert.stages.job import Job
 DEFAULT_BATCHES = (1, 8)
 DEFAULT_SEQ_LENS = (16, 32, 64, 128, 256, 512)  # up to the model's max positions
 WEIGHTS_FILE = "weights.npz"
+POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")  # sentence-transformers' names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
                    "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
 SHORT_TEXT = "Hello"  # the example text of buckets shorter than the default one (trace needs some tokens)
@@ -233,6 +234,8 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
         "weights_file": WEIGHTS_FILE,
         "weights": {key: {"dtype": a.dtype.name, "shape": list(a.shape)} for key, a in weights.items()},
         "tokenizer": tokenizer,
+        "pooling": _pooling(job),
+        "labels": _labels(job),
         "versions": {**trace_meta.get("versions", {}), "numpy": np.__version__, "tvmbert": _version(),
                      "python": platform.python_version()},
     }
@@ -258,6 +261,36 @@ def _outputs(job: Job, trace_meta: dict) -> list[dict]:
     """The task's outputs in order, and which have a row per token (trimmed to each sequence's length)."""
     per_token = TASKS[job.source.task].per_token
     return [{"name": spec["name"], "dtype": spec["dtype"], "per_token": spec["name"] in per_token} for spec in trace_meta["outputs"]]
+
+
+def _labels(job: Job) -> list[str] | None:
+    """A classifier's label names by index, from its config's id2label (a server answers with
+    them); None for other heads, or where the config names none."""
+    if job.source.task not in ("text-classification", "token-classification") or job.source.path is None:
+        return None
+    try:
+        names = json.loads((job.source.path / "config.json").read_text()).get("id2label") or {}
+        return [str(names[key]) for key in sorted(names, key=int)]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _pooling(job: Job) -> dict | None:
+    """How sentence-transformers pools this model's embeddings, from its folder's modules.json
+    (a Pooling module's config, a Normalize module after it), so that a server of the package
+    returns the vectors the user got before; None where the folder says nothing."""
+    if job.source.path is None or not (job.source.path / "modules.json").is_file():
+        return None
+    try:
+        modules = json.loads((job.source.path / "modules.json").read_text())
+        pooling = next(m for m in modules if m.get("type", "").endswith(".Pooling"))
+        config = json.loads((job.source.path / pooling["path"] / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
+        return None
+    mode = next((mode for mode in POOLING_MODES if config.get(f"pooling_mode_{mode}")), None)
+    if mode is None:
+        return None
+    return {"mode": mode, "normalize": any(m.get("type", "").endswith(".Normalize") for m in modules)}
 
 
 def _copy_tokenizer(job: Job, folder: Path) -> str | None:
