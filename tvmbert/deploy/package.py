@@ -159,6 +159,9 @@ class ExportedModel:
         arrays to ``run``."""
         if args and _is_text(args[0]):
             return self.encode(*args, **named)
+        if args and not named and _not_inputs(args[0]) is not None:
+            raise InputError(f"a model takes texts (a string, or a non-empty list of strings or of (text, pair) tuples) "
+                             f"or integer arrays of token ids; got {_not_inputs(args[0])}")
         return self.run(*args, **named)
 
     def encode(self, texts) -> dict:
@@ -173,6 +176,11 @@ class ExportedModel:
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(_is_text(t) for t in texts):
             raise InputError("encode takes a string, or a non-empty list of strings or of (text, pair) tuples of strings")
+        for index, text in enumerate(texts):
+            try:
+                "".join(text).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(f"text {index} holds a lone surrogate at {exc.start}: not Unicode text") from None
         encodings = (self._truncating_tokenizer() if truncate else self.tokenizer()).encode_batch(texts)
         lengths = [len(e.ids) for e in encodings]
         if max(lengths) > self.max_seq_len:
@@ -442,6 +450,16 @@ def _verify_files(path: Path, files: dict[str, str]) -> None:
         if sha256(file) != expected:
             raise PackageError(f"{path}: {name} does not match its checksum in {MANIFEST_FILE}: the file was altered or "
                                "damaged; export the package again")
+
+
+def _not_inputs(value) -> str | None:
+    """What ``value`` is, where it is neither text nor token ids: an empty list, bytes (texts to
+    decode first), a list of them; None for anything else (``run`` checks arrays)."""
+    if isinstance(value, list) and not value:
+        return "an empty list"
+    if isinstance(value, (bytes, bytearray)) or (isinstance(value, list) and any(isinstance(v, (bytes, bytearray)) for v in value)):
+        return "bytes: decode them to str first"
+    return None
 
 
 def _is_text(value) -> bool:

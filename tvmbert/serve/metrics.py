@@ -1,5 +1,6 @@
-"""The server's counters and histograms in Prometheus' text format (what TEI's /metrics gives):
-requests by route and status, queue time, batch size, tokens per batch, compute time."""
+"""The server's counters, gauges and histograms in Prometheus' text format (what TEI's /metrics
+gives): requests by route and status (499: the client went away first), requests in flight and
+queued, queue time, batch size, tokens per batch, compute time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections import Counter
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GAUGES = {"tvmbert_requests_in_flight": "Requests admitted and not yet answered",
+          "tvmbert_queue_requests": "Requests waiting for a batch"}
 TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -37,6 +40,7 @@ class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
         self.requests: Counter = Counter()  # (route, status) -> count
+        self.gauges = dict.fromkeys(GAUGES, 0)
         self.histograms = {h.name: h for h in (
             Histogram("tvmbert_queue_seconds", "Time a request waited for its batch to start", SECONDS),
             Histogram("tvmbert_compute_seconds", "Time a batch took to run", SECONDS),
@@ -48,6 +52,10 @@ class Metrics:
         with self.lock:
             self.requests[route, status] += 1
 
+    def set_gauge(self, name: str, value: int) -> None:
+        with self.lock:
+            self.gauges[name] = value
+
     def observe(self, name: str, value: float) -> None:
         with self.lock:
             self.histograms[name].observe(value)
@@ -57,6 +65,8 @@ class Metrics:
             lines = ["# HELP tvmbert_requests_total Requests answered, by route and status", "# TYPE tvmbert_requests_total counter"]
             lines += [f'tvmbert_requests_total{{route="{route}",status="{status}"}} {n}'
                       for (route, status), n in sorted(self.requests.items())]
+            for name, value in self.gauges.items():
+                lines += [f"# HELP {name} {GAUGES[name]}", f"# TYPE {name} gauge", f"{name} {value}"]
             for histogram in self.histograms.values():
                 lines += histogram.lines()
         return "\n".join(lines) + "\n"

@@ -1,0 +1,69 @@
+"""The API described: an OpenAPI 3 document (``/openapi.json``, for client generators) and a page
+a person reads (``/docs``), written from the same table, so they cannot disagree. Self-contained:
+the page loads nothing from elsewhere (a server may have no way out)."""
+
+from __future__ import annotations
+
+import html
+import json
+
+TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
+ERROR = {"type": "object", "required": ["error", "type"], "properties": {"error": {"type": "string"}, "type": {"type": "string"}}}
+VECTORS = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+
+# (method, path, summary, request body schema or None, answer schema)
+ROUTES = (
+    ("post", "/v1/embeddings", "OpenAI's embeddings: unit-length vectors where the model's config normalizes; base64 is "
+     "little-endian float32",
+     {"type": "object", "required": ["input"], "properties": {
+         "input": TEXTS, "model": {"type": "string"}, "encoding_format": {"enum": ["float", "base64"], "default": "float"}}},
+     {"type": "object", "properties": {
+         "object": {"enum": ["list"]}, "model": {"type": "string"},
+         "data": {"type": "array", "items": {"type": "object", "properties": {
+             "object": {"enum": ["embedding"]}, "index": {"type": "integer"},
+             "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+         "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}),
+    ("post", "/embed", "TEI's embed: one vector per input; truncate cuts a text to the package's longest input",
+     {"type": "object", "required": ["inputs"], "properties": {
+         "inputs": TEXTS, "normalize": {"type": "boolean", "default": True}, "truncate": {"type": "boolean", "default": False}}},
+     VECTORS),
+    ("post", "/predict", "TEI's predict, for a sequence classifier: per input, every label with its score, most likely first",
+     {"type": "object", "required": ["inputs"], "properties": {"inputs": TEXTS, "truncate": {"type": "boolean", "default": False}}},
+     {"type": "array", "items": {"type": "array", "items": {"type": "object", "properties": {
+         "label": {"type": "string"}, "score": {"type": "number"}}}}}),
+    ("get", "/health", "200 once the package is loaded and the batcher runs", None, {"type": "object"}),
+    ("get", "/info", "The model, dtype, target key, buckets, pooling, labels and limits", None, {"type": "object"}),
+    ("get", "/metrics", "Prometheus text: requests by route and status, queue and compute time, batch sizes and tokens",
+     None, {"type": "string"}),
+)
+REFUSALS = {"400": "a body that is not UTF-8 JSON of an object, or a route this package's model has no output for",
+            "413": "over a limit: the body, the inputs a request, or a text's tokens (unless truncate)",
+            "422": "a field of the wrong type or value", "429": "more requests in flight than --max-concurrent-requests"}
+
+
+def _operation(summary: str, body: dict | None, answer: dict) -> dict:
+    responses = {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}}}
+    if body is not None:
+        responses |= {code: {"description": why, "content": {"application/json": {"schema": ERROR}}} for code, why in REFUSALS.items()}
+    operation = {"summary": summary, "responses": responses}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    return operation
+
+
+def document() -> dict:
+    paths: dict = {}
+    for method, path, summary, body, answer in ROUTES:
+        paths.setdefault(path, {})[method] = _operation(summary, body, answer)
+    return {"openapi": "3.0.3", "info": {"title": "tvmbert serve", "version": "1"}, "paths": paths}
+
+
+def page(model: str) -> str:
+    rows = "".join(f"<h2><code>{method.upper()} {path}</code></h2><p>{html.escape(summary)}</p>"
+                   + (f"<pre>{html.escape(json.dumps(body, indent=1))}</pre>" if body else "")
+                   for method, path, summary, body, _ in ROUTES)
+    refusals = "".join(f"<li>{code}: {html.escape(why)}</li>" for code, why in REFUSALS.items())
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>tvmbert serve: {html.escape(model)}</title></head><body>"
+            f"<h1>tvmbert serve: {html.escape(model)}</h1>{rows}<h2>Refusals</h2><p>Each is one JSON object "
+            f"<code>{{\"error\": ..., \"type\": ...}}</code>:</p><ul>{refusals}</ul>"
+            "<p><a href='/openapi.json'>openapi.json</a></p></body></html>")

@@ -1,0 +1,93 @@
+"""A request's body read and checked before any of it reaches the model: each mistake is a
+``RequestError`` (an ``InputError`` of the project's one hierarchy) carrying the 4xx it is
+answered with and what was wrong, so that a bad request never costs more than its own answer."""
+
+from __future__ import annotations
+
+import json
+
+from tvmbert.core.errors import InputError
+
+
+class RequestError(InputError):
+    """A request the server refuses: its HTTP status, what was wrong, and its kind (the JSON
+    error's ``type``, OpenAI's names where they have one)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def too_large(message: str) -> RequestError:
+    return RequestError(413, message, "payload_too_large")
+
+
+async def read_json(request, max_bytes: int) -> dict:
+    """The JSON object a request carries; refused whole when over ``max_bytes`` (by its declared
+    Content-Length before a byte is read, or by counting as it streams in), not UTF-8, not JSON,
+    nested past what the parser takes, or not an object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        raise too_large(f"the body is over {max_bytes} bytes (Content-Length: {declared[:40]})")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(f"the body is over {max_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        payload = json.loads(b"".join(chunks).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"the body is not UTF-8 (byte {exc.start})") from None
+    except RecursionError:
+        raise RequestError(400, "the body is not JSON this server reads: nested too deep") from None
+    except ValueError as exc:  # JSONDecodeError, and numbers past Python's digit limit
+        raise RequestError(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise RequestError(400, f"the body must be a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def texts(payload: dict, field: str, max_inputs: int) -> list[str]:
+    """``payload[field]``: a string or a non-empty list of strings (Unicode text: no lone
+    surrogate), at most ``max_inputs`` of them."""
+    value = payload.get(field)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
+        raise RequestError(422, f"'{field}' must be a string or a non-empty list of strings, got {got}")
+    if len(value) > max_inputs:
+        raise too_large(f"'{field}' holds {len(value)} inputs; this server takes at most {max_inputs} a request")
+    for index, text in enumerate(value):
+        if not isinstance(text, str):
+            raise RequestError(422, f"'{field}'[{index}] is a {type(text).__name__}: every input must be a string "
+                               "(token ids are not taken)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(422, f"'{field}'[{index}] holds a lone surrogate (\\u{ord(text[exc.start]):04x}) at "
+                               f"{exc.start}: not Unicode text") from None
+    return value
+
+
+def flag(payload: dict, field: str, default: bool) -> bool:
+    value = payload.get(field, default)
+    if not isinstance(value, bool):
+        raise RequestError(422, f"'{field}' must be true or false, got {json.dumps(value)[:40]}")
+    return value
+
+
+def choice(payload: dict, field: str, allowed: tuple[str, ...]) -> str:
+    """``payload[field]``, one of ``allowed`` (the first when absent)."""
+    value = payload.get(field, allowed[0])
+    if value not in allowed or not isinstance(value, str):
+        raise RequestError(422, f"'{field}' must be {' or '.join(repr(a) for a in allowed)}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def optional_string(payload: dict, field: str) -> str | None:
+    value = payload.get(field)
+    if value is not None and not isinstance(value, str):
+        raise RequestError(422, f"'{field}' must be a string, got {type(value).__name__}")
+    return value
