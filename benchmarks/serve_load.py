@@ -1,10 +1,19 @@
-"""Load on `tvmbert serve` as users put it: an async HTTP client on loopback, one text a request
-(real sentences cut to 8-N tokens), at several concurrencies: throughput, p50 and p99; and, for
-concurrency 1, the same texts through `tvmbert.load` called directly (what the server adds).
+"""Load on embedding servers as users put it: an async HTTP client (httpx, keep-alive
+connections) on 127.0.0.1, one text a request, texts of real English cut to 8-256 tokens, at
+several concurrencies: throughput, p50 and p99 per server, the servers one after another on the
+same cores. `tvmbert serve PACKAGE` against infinity-emb serving the package's source folder (its
+torch engine, and its optimum engine where the folder holds an ONNX model), each started here on a
+free port and stopped after; then the same texts through `tvmbert.load` called directly, one at a
+time (what the server adds at concurrency 1). Before timing, each server's vectors for the same
+texts are compared with tvmbert's (cosine).
 
-    python benchmarks/serve_load.py PACKAGE [--concurrency 1,8,32,128] [--requests 200] [--url http://127.0.0.1:PORT]
+    python benchmarks/serve_load.py PACKAGE [--concurrency 1,8,32,128] [--requests 200]
+        [--infinity /tmp/infvenv/bin/infinity_emb] [--engines torch,optimum] [--onnx-folder DIR]
+        [--out results.json]
 
-Without --url it starts `tvmbert serve PACKAGE` itself on a free port.
+infinity-emb pins transformers 4.x: install it in a virtual environment of its own
+(docs/serving.md). Every level is bounded: --requests each (at least 4 x the concurrency), and
+--max-seconds of sending.
 """
 
 from __future__ import annotations
@@ -12,98 +21,221 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 
-WORDS = ("the quick brown fox jumps over a lazy dog while people in the park watch and talk about "
-         "museums paintings centuries rivers mountains trains music science history and the weather").split()
+SHORTEST, LONGEST = 8, 256
 
 
-def texts(count: int, most_tokens: int, seed: int = 0) -> list[str]:
-    """Texts of 6 to most_tokens - 2 words (8 to most_tokens tokens with [CLS] and [SEP], about)."""
+def corpus(folder: Path) -> list[str]:
+    """The words of the model's README prose (code blocks, front matter and markup left out)."""
+    text = (folder / "README.md").read_text() if (folder / "README.md").is_file() else ""
+    text = re.sub(r"^---.*?^---", " ", text, flags=re.S | re.M)
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)|[#*`|<>]", r" \1 ", text)
+    words = text.split()
+    if len(words) < 200:
+        raise SystemExit(f"{folder}/README.md has too little prose to cut texts from")
+    return words
+
+
+def texts(words: list[str], tokenizer, count: int, seed: int = 0) -> list[str]:
+    """``count`` texts, each a run of the corpus from a random word, as long as a uniform draw of
+    SHORTEST..LONGEST tokens ([CLS] and [SEP] included), cut at a word."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(WORDS, size=int(rng.integers(6, max(7, most_tokens - 2))))) for _ in range(count)]
+    out = []
+    for _ in range(count):
+        wanted = int(rng.integers(SHORTEST, LONGEST + 1))
+        start = int(rng.integers(0, len(words)))
+        run = (words[start:] + words[:start]) * 2
+        low, high = 1, min(len(run), wanted)  # the most words whose tokens fit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if len(tokenizer.encode(" ".join(run[:middle])).ids) <= wanted:
+                low = middle
+            else:
+                high = middle - 1
+        out.append(" ".join(run[:low]))
+    return out
 
 
-async def post(host: str, port: int, path: str, payload: dict) -> tuple[int, bytes]:
-    """One POST on a connection of its own (HTTP/1.1, Connection: close)."""
-    reader, writer = await asyncio.open_connection(host, port)
-    body = json.dumps(payload).encode()
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                 f"Connection: close\r\n\r\n".encode() + body)
-    await writer.drain()
-    response = await reader.read()
-    writer.close()
-    status = int(response.split(b" ", 2)[1])
-    return status, response.split(b"\r\n\r\n", 1)[1]
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-async def load(host: str, port: int, sample: list[str], concurrency: int) -> dict:
-    latencies: list[float] = []
-    statuses: list[int] = []
-    queue = list(enumerate(sample))
+class Served:
+    """A server process on 127.0.0.1 and the route that embeds."""
 
-    async def worker():
-        while queue:
-            _, text = queue.pop()
-            started = time.perf_counter()
-            status, _ = await post(host, port, "/embed", {"inputs": text})
-            latencies.append((time.perf_counter() - started) * 1e3)
-            statuses.append(status)
+    def __init__(self, name: str, command: list[str], port: int, route: str, env: dict | None = None):
+        self.name, self.port, self.route = name, port, route
+        self.log = open(f"/tmp/serve_load-{name}.log", "w")  # closed in stop()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.url = f"http://127.0.0.1:{port}"
 
-    started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    seconds = time.perf_counter() - started
-    return {"concurrency": concurrency, "requests": len(sample), "ok": statuses.count(200), "per_s": round(len(sample) / seconds, 1),
-            "p50_ms": round(float(np.percentile(latencies, 50)), 1), "p99_ms": round(float(np.percentile(latencies, 99)), 1)}
+    def wait_ready(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"{self.name} exited ({self.process.returncode}); see {self.log.name}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise SystemExit(f"{self.name} not ready after {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+async def embed(client, served: Served, batch: list[str]) -> np.ndarray:
+    response = await client.post(served.route, json={"input": batch, "model": "minilm"})
+    response.raise_for_status()
+    return np.array([d["embedding"] for d in sorted(response.json()["data"], key=lambda d: d["index"])])
+
+
+async def level(served: Served, sample: list[str], concurrency: int, max_seconds: float) -> dict:
+    """``sample`` sent one text a request by ``concurrency`` workers sharing one client."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=served.url, limits=limits, timeout=600) as client:
+        warm = sample[: min(len(sample), 2 * concurrency, 64)]
+        await asyncio.gather(*(client.post(served.route, json={"input": t, "model": "minilm"}) for t in warm))
+        latencies, failures, queue = [], [], list(reversed(sample))
+        started = time.perf_counter()
+
+        async def worker():
+            while queue and time.perf_counter() - started < max_seconds:
+                text = queue.pop()
+                sent = time.perf_counter()
+                try:
+                    response = await client.post(served.route, json={"input": text, "model": "minilm"})
+                    ok = response.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                (latencies if ok else failures).append((time.perf_counter() - sent) * 1e3)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return {"concurrency": concurrency, "requests": len(latencies) + len(failures), "failed": len(failures),
+            "per_s": round(len(latencies) / seconds, 1), "p50_ms": round(float(np.percentile(latencies, 50)), 1),
+            "p99_ms": round(float(np.percentile(latencies, 99)), 1)}
+
+
+async def same_vectors(served: Served, reference: np.ndarray | None, probe: list[str]) -> tuple[np.ndarray, float | None]:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=served.url, timeout=600) as client:
+        vectors = await embed(client, served, probe)
+    vectors = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors, None if reference is None else round(float((vectors * reference).sum(axis=1).min()), 6)
 
 
 def direct(package: str, sample: list[str]) -> dict:
     """The same texts, one call each, through tvmbert.load in this process."""
-    from tvmbert import load as load_package
+    from tvmbert import load
 
-    model = load_package(package)
-    for text in sample[:5]:
+    model = load(package)
+    for text in sample[:8]:
         model.encode([text])
     latencies = []
     for text in sample:
         started = time.perf_counter()
         model.encode([text])
         latencies.append((time.perf_counter() - started) * 1e3)
-    return {"requests": len(sample), "p50_ms": round(float(np.percentile(latencies, 50)), 1),
-            "per_s": round(len(sample) / (sum(latencies) / 1e3), 1)}
+    return {"requests": len(sample), "per_s": round(len(sample) / (sum(latencies) / 1e3), 1),
+            "p50_ms": round(float(np.percentile(latencies, 50)), 1), "p99_ms": round(float(np.percentile(latencies, 99)), 1)}
+
+
+def cpu() -> str:
+    fields = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+                  if ":" in line)
+    get = lambda key: fields.get(key, "?").strip()
+    return f"{get('Model name')} (family {get('CPU family')} model {get('Model')}), {get('CPU(s)')} CPUs"
+
+
+def servers(args, source: Path) -> list[tuple[str, list[str], str, dict]]:
+    """(name, command, embeddings route, environment) of each server to measure, in order."""
+    found = [("tvmbert", [sys.executable, "-m", "tvmbert", "serve", args.package, "--port", "{port}"], "/v1/embeddings", {})]
+    quiet = {"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    for engine in args.engines.split(",") if args.infinity else ():
+        folder = Path(args.onnx_folder) if engine == "optimum" and args.onnx_folder else source
+        found.append((f"infinity-{engine}", [args.infinity, "v2", "--model-id", str(folder), "--engine", engine, "--device", "cpu",
+                                             "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", "minilm"],
+                      "/embeddings", quiet))
+    return found
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("package")
     parser.add_argument("--concurrency", default="1,8,32,128")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--url")
+    parser.add_argument("--requests", type=int, default=200, help="per level (at least 4 x its concurrency)")
+    parser.add_argument("--max-seconds", type=float, default=120, help="of sending, per level")
+    parser.add_argument("--infinity", help="infinity_emb's command (its own virtual environment)")
+    parser.add_argument("--engines", default="torch,optimum", help="infinity's engines to measure")
+    parser.add_argument("--onnx-folder", help="the model folder with an ONNX export, for infinity's optimum engine")
+    parser.add_argument("--out", help="write the results here as JSON too")
     args = parser.parse_args()
+
+    from tokenizers import Tokenizer
+
     manifest = json.loads((Path(args.package) / "manifest.json").read_text())
-    longest = max(b["seq_len"] for v in manifest.get("variants", [manifest]) for b in v["buckets"])
-    sample = texts(args.requests, longest)
-    server = None
-    if args.url:
-        url = urlparse(args.url)
-        host, port = url.hostname, url.port
-    else:
-        server = subprocess.Popen([sys.executable, "-m", "tvmbert", "serve", args.package, "--port", "0"], stderr=subprocess.PIPE, text=True)
-        host, port = "127.0.0.1", int(re.search(r":(\d+)$", server.stderr.readline().strip()).group(1))
-    try:
-        rows = [asyncio.run(load(host, port, sample, int(c))) for c in args.concurrency.split(",")]
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait()
-    print(json.dumps({"package": args.package, "served": rows, "direct": direct(args.package, sample)}, indent=1))
+    source = Path(manifest["model"]["name"])
+    tokenizer = Tokenizer.from_file(str(Path(args.package) / manifest["tokenizer"]))
+    tokenizer.no_truncation()
+    words = corpus(source)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    sample = texts(words, tokenizer, max(args.requests, 4 * max(levels)))
+    tokens = [len(tokenizer.encode(t).ids) for t in sample]
+    probe = sample[:4]
+    results = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cpu": cpu(), "date": time.strftime("%Y-%m-%d"),
+               "texts": {"count": len(sample), "tokens_min": min(tokens), "tokens_median": int(np.median(tokens)),
+                         "tokens_max": max(tokens)}, "servers": {}}
+    reference = None
+    for name, command, route, env in servers(args, source):
+        port = free_port()
+        served = Served(name, [part.replace("{port}", str(port)) for part in command], port, route, env)
+        try:
+            served.wait_ready()
+            vectors, cosine = asyncio.run(same_vectors(served, reference, probe))
+            reference = vectors if reference is None else reference
+            rows = []
+            for concurrency in levels:
+                count = max(args.requests, 4 * concurrency)
+                rows.append(asyncio.run(level(served, sample[:count], concurrency, args.max_seconds)))
+                print(name, rows[-1], file=sys.stderr, flush=True)
+            results["servers"][name] = {"min_cosine_to_tvmbert": cosine, "levels": rows}
+        finally:
+            served.stop()
+    results["direct"] = direct(args.package, sample[: args.requests])
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        temporary = Path(args.out).with_suffix(".tmp")
+        temporary.write_text(text)
+        temporary.replace(args.out)
 
 
 if __name__ == "__main__":

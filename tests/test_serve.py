@@ -45,7 +45,8 @@ class Server:
         found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert found, line + self.process.stderr.read()
         self.port = int(found.group(1))
-        threading.Thread(target=self.process.stderr.read, daemon=True).start()  # never let a full pipe block it
+        self.said: list[str] = []  # what it printed after (read all along: a full pipe would block it)
+        threading.Thread(target=lambda: self.said.extend(self.process.stderr), daemon=True).start()
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -65,10 +66,18 @@ class Server:
         found = re.search(pattern, text)
         return int(found.group(1)) if found else 0
 
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.terminated = True
+
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
+        """SIGTERM (once: a second one after the drain may land once Python's default handler is
+        back, as a supervisor's SIGKILL would); its exit status, asserted 0 with what it said."""
+        if self.process.poll() is None and not getattr(self, "terminated", False):
+            self.terminate()
+        code = self.process.wait(timeout=60)
+        assert code == 0, "".join(self.said)[-3000:]
+        return code
 
 
 def _small_bert(folder: Path, head, **config) -> Path:
@@ -322,7 +331,7 @@ def test_past_the_concurrency_limit_is_429_and_sigterm_answers_what_is_in_flight
             time.sleep(0.5)
             status, answer = held.post("/embed", {"inputs": TEXTS[:1]})
             assert status == 429 and answer["type"] == "overloaded"
-            held.process.send_signal(signal.SIGTERM)
+            held.terminate()
             status, vectors = first.result(timeout=60)
         assert status == 200
         np.testing.assert_allclose(np.array(vectors), expected(TEXTS[:1]), atol=2e-6)

@@ -60,9 +60,11 @@ def serve(package: str, host: str = "127.0.0.1", port: int = 8080, limits: Limit
     sock = listen(host, port)
     app = make_app(service, started=None if ready is None else lambda: ready(host, sock.getsockname()[1]))
     runner = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=DRAIN_S))
-    # uvicorn raises the signal it stopped on again once it has drained: a handler that does
-    # nothing then lets this return, so the command exits 0 instead of being killed by it.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # uvicorn raises the signal it stopped on again once it has drained: this handler then lets
+    # this return, so the command exits 0 instead of being killed by it; before uvicorn takes the
+    # signals (and after), it asks uvicorn to stop all the same.
+    stopping = lambda *_: setattr(runner, "should_exit", True)
+    previous = {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with contextlib.closing(sock):
             runner.run(sockets=[sock])
