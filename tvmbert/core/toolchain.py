@@ -19,8 +19,12 @@ def _llvm_major() -> int:
 
 
 def check_cuda() -> None:
+    """nvcc, and TVM told to compile with it: TVM 0.27 compiles CUDA with NVRTC by default, which
+    needs the cuda-bindings package (neither TVM nor tvmbert depends on it) and fails at the first kernel
+    without it. A TVM_CUDA_COMPILE_MODE the user set wins."""
     if shutil.which("nvcc") is None:
         raise ToolchainError("building for cuda needs nvcc on PATH: install the CUDA toolkit (Debian: nvidia-cuda-toolkit)")
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 
 
 def check_rocm() -> None:

@@ -9,9 +9,10 @@ from tvmbert.core.errors import StageFailed
 from tvmbert.ir.tasks import entry_module, extract_tasks
 from tvmbert.tuning import database
 from tvmbert.tuning.catalog import DEFAULT, TRANSFERRED, Catalog
-from tvmbert.tuning.default_schedules import default_cpu_schedules
+from tvmbert.tuning.default_schedules import default_cpu_schedules, default_gpu_schedules
 
 WEIGHT_LAYOUT_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
+TENSOR_INTRINSICS = "tvm.s_tir.tensor_intrin"
 
 
 @dataclass
@@ -29,6 +30,17 @@ class TunedBuild:
     @property
     def transferred(self) -> list[str]:
         return [name for name, source in self.schedules.items() if source.startswith(TRANSFERRED)]
+
+
+def tensor_intrinsics_package_alone() -> None:
+    """``tvm.s_tir.tensor_intrin`` without its __init__, which registers every backend's intrinsics
+    by parsing their TVMScript (40 s per tuning run on 2 Zen 3 cores, 18 of them CUDA's): each
+    module is imported where it is used (dlight's tensor-core rules, register_tensor_intrinsics)."""
+    import importlib.util
+    import sys
+
+    if TENSOR_INTRINSICS not in sys.modules:
+        sys.modules[TENSOR_INTRINSICS] = importlib.util.module_from_spec(importlib.util.find_spec(TENSOR_INTRINSICS))
 
 
 def summary(schedules: dict[str, str]) -> str:
@@ -50,6 +62,7 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
     import tvm
     from tvm import relax
 
+    target.check_toolchain()  # build's, add_tvm_dispatch's and tune's compiles alike
     live = database.tuning_active(log_dir)
     if live:
         say(f"{announce or 'compile'}: a tuning run is writing to {log_dir}; building with the records measured so far")
@@ -61,10 +74,12 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
     if announce:
         say(f"{announce}: {target.key}, {summary(schedules)} ({log_dir})")
     tvm_target = target.tvm_target()
+    if target.is_gpu:  # dlight's tensor-core rules import the cuda intrinsics, and only those
+        tensor_intrinsics_package_alone()
     with tvm_target:
         with records:
             module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)
-        module = (_default_gpu_schedules() if target.is_gpu else default_cpu_schedules())(module)
+        module = (default_gpu_schedules(target.kind) if target.is_gpu else default_cpu_schedules())(module)
         if target.lays_out_weights:
             # A kernel tuned with a weight layout of its own starts by laying the weight out; that
             # step becomes a kernel apart, lifted out of main into WEIGHT_LAYOUT_ENTRY, run once by build.
@@ -72,16 +87,9 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
                                                relax.transform.LiftTransformParams()])(module)
     weight_layouts = entry_module(module, WEIGHT_LAYOUT_ENTRY)
     try:
-        executable = tvm.compile(entry_module(module, *entries), tvm_target)
+        with tvm_target:  # TVM's CUDA compiler reads the architecture from the current target, else from this machine's GPU
+            executable = tvm.compile(entry_module(module, *entries), tvm_target)
     except Exception as exc:
         raise StageFailed(f"TVM build{' of ' + label if label else ''} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
     return TunedBuild(executable, tasks, schedules, weight_layouts, catalog.read())
 
-
-def _default_gpu_schedules():
-    """dlight's rules for kernels the database has no schedule for; tuned ones are left alone."""
-    from tvm.s_tir import dlight
-
-    return dlight.ApplyDefaultSchedule(
-        dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(), dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()
-    )

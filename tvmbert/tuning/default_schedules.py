@@ -31,18 +31,28 @@ def default_cpu_schedules():
         _guarded(dlight.cpu.GEMV()), _rule(_matmul), _guarded(dlight.cpu.Reduction()), _rule(_loops))
 
 
-def _guarded(rule):
+def default_gpu_schedules(kind: str):
+    """dlight's GPU rules, first that fits; each guarded (its GEMV rule asserts on some of
+    add_tvm_dispatch's backward kernels)."""
+    from tvm.s_tir import dlight
+
+    gpu = dlight.gpu
+    return dlight.ApplyDefaultSchedule(
+        *(_guarded(rule, kind) for rule in (gpu.Matmul(), gpu.GEMV(), gpu.Reduction(), gpu.GeneralReduction(), gpu.Fallback())))
+
+
+def _guarded(rule, kind: str = "llvm"):
     """A dlight rule that may raise on a kernel it half recognises: then it simply does not apply."""
-    return _rule(lambda func, target: rule.apply(func, target, False))
+    return _rule(lambda func, target: rule.apply(func, target, False), kind)
 
 
-def _rule(schedule):
+def _rule(schedule, kind: str = "llvm"):
     from tvm import tirx
     from tvm.s_tir.dlight.base import ScheduleRule
 
     class Rule(ScheduleRule):
         def apply(self, func, target, _tunable):
-            if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            if not isinstance(func, tirx.PrimFunc) or target.kind.name != kind:
                 return None
             try:
                 return schedule(func, target)

@@ -20,6 +20,7 @@ from tvmbert.core.errors import Interrupted
 from tvmbert.core.targets import cpu_count
 from tvmbert.ir.tasks import Task
 from tvmbert.tuning import database, measure
+from tvmbert.tuning.compile import TENSOR_INTRINSICS, tensor_intrinsics_package_alone
 
 TRIALS_PER_BATCH = 16  # candidates built and measured together; what an interruption can lose
 MIN_TRIALS_PER_TASK = 8  # below this a task's search has hardly started (unless --trials-per-task is lower)
@@ -103,19 +104,14 @@ def best_us(records, task) -> float | None:
 
 def register_tensor_intrinsics(target) -> None:
     """Registers the tensor intrinsics ``target``'s schedules may use, before TuneContext imports
-    ``tvm.s_tir.tensor_intrin``: that package registers every backend's by parsing their TVMScript
-    (40 s per tuning run on 2 Zen 3 cores, 18 of them CUDA's), and a target needs its own only."""
+    ``tvm.s_tir.tensor_intrin``: a target needs its own only (tensor_intrinsics_package_alone)."""
     import importlib
-    import importlib.util
-    import sys
 
     from tvmbert.core.targets import KINDS
 
-    package = "tvm.s_tir.tensor_intrin"
-    if package not in sys.modules:  # the package alone, without its __init__ importing every backend
-        sys.modules[package] = importlib.util.module_from_spec(importlib.util.find_spec(package))
+    tensor_intrinsics_package_alone()
     for module in KINDS[target.kind].tensor_intrinsics:
-        importlib.import_module(f"{package}.{module}")
+        importlib.import_module(f"{TENSOR_INTRINSICS}.{module}")
 
 
 class Session:

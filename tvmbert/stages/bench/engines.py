@@ -35,7 +35,9 @@ CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-8, "float16": 2e-2, "bfloat16"
 # precision hint (AMX or AVX512-BF16), else f32.
 PEER_DTYPE = {"bfloat16": "bfloat16"}
 GPU_PEER_DTYPE = {"bfloat16": "bfloat16", "float16": "float16"}
-PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1}
+# PyTorch's bert-base cast to float16 was 0.012 off fp32 at 8 x 128 (on a CPU): float16's 2e-2,
+# TVM's bar with fp32 accumulation and fp32 layer norm, leaves its peers on a GPU too little room.
+PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1, "float16": 5e-2}
 IN_PEER_DTYPE = ("torch-eager", "torch-sdpa", "torch-compile", "openvino")  # the engines PEER_DTYPE applies to
 OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 # What the quantized peers compute in, as the report says it.
