@@ -87,7 +87,7 @@ use_tvm() {  # TVM from $SITE, the project from the working tree, CUDA's runtime
     local cudart
     cudart=$(python3 -c "import glob, os, nvidia; print(':'.join(sorted({os.path.dirname(p) for d in nvidia.__path__ for p in glob.glob(d + '/**/libcudart.so*', recursive=True)})))" 2>/dev/null)
     export PYTHONPATH=$SITE:$PWD LD_LIBRARY_PATH=${cudart:+$cudart:}${LD_LIBRARY_PATH:-}
-    [[ -d /usr/local/cuda/bin ]] && export PATH=$PATH:/usr/local/cuda/bin
+    if [[ -d /usr/local/cuda/bin ]]; then export PATH=$PATH:/usr/local/cuda/bin; fi  # nvcc, where the image keeps it off PATH
 }
 
 stub_driver() {  # where there is no CUDA driver: one whose every call fails (no device), built in $1
@@ -98,16 +98,18 @@ stub_driver() {  # where there is no CUDA driver: one whose every call fails (no
     gcc -shared -fPIC -o "$1/libcuda.so.1" "$1/stub.c" && export LD_LIBRARY_PATH=$1:${LD_LIBRARY_PATH:-}
 }
 
-# `tvmbert build` of each DTYPE:BATCHxSEQ_LEN argument, in one process
+# `tvmbert build` of each DTYPE:BATCHxSEQ_LEN argument, in one process; one that fails leaves the others to build
 BUILDS='
 import os, sys
 from tvmbert.cli import main
+failed = []
 for build in sys.argv[1:]:
     dtype, shape = build.split(":")
     batch, seq_len = shape.split("x")
-    if code := main(["build", os.environ["MODEL"], "--target", "cuda", "--dtype", dtype, "--batch", batch, "--seq-len", seq_len,
-                     "--workdir", os.environ["WORK"]]):
-        sys.exit(code)
+    if main(["build", os.environ["MODEL"], "--target", "cuda", "--dtype", dtype, "--batch", batch, "--seq-len", seq_len,
+             "--workdir", os.environ["WORK"]]):
+        failed.append(build)
+sys.exit(f"failed: {failed}" if failed else 0)
 '
 
 run_steps() {

@@ -40,7 +40,6 @@ def dry_run(tmp_path, steps: str) -> str:
     assert done.returncode == 0, done.stderr
     log = (out / "log.txt").read_text()
     assert "Traceback" not in log, log
-    assert "== tests.txt: exit 0 after" in log and "no CUDA device on this machine" in (out / "tests.txt").read_text(), log
     return log
 
 
@@ -53,7 +52,7 @@ def compiled_kernels(library: Path) -> bool:
 def test_a_verify_step_compiles_its_kernels_here_and_a_bench_step_says_there_is_no_cuda_device(tmp_path):
     """The steps start here as on the GPU: a build compiles its kernels with nvcc (TVM's CUDA
     runtime loaded against a stub driver), and a step that needs the device says so in one line."""
-    log = dry_run(tmp_path, "verify-fp32 bench-fp16-b8 tests")
+    log = dry_run(tmp_path, "verify-fp32 bench-fp16-b8")
     assert "== verify-fp32.json: exit 2 after" in log and "error: verify runs the model: this machine has no cuda device" in log
     assert "== bench-fp16-b8.json: exit 2 after" in log and "error: bench runs the model: this machine has no cuda device" in log
     [library] = (tmp_path / "work").glob("bert-tiny/b1-s14-float32/cuda-*/build/model.so")
@@ -74,6 +73,7 @@ def test_every_gpu_step_starts_here_and_says_there_is_no_cuda_device(tmp_path):
     for build in ("b1-s14-float32", "b1-s14-float16", "b1-s128-float16", "b8-s128-float16"):
         [library] = (tmp_path / "work").glob(f"bert-tiny/{build}/cuda-*/build/model.so")
         assert compiled_kernels(library), build
+    assert "== tests.txt: exit 0 after" in log and "no CUDA device on this machine" in (tmp_path / "out" / "tests.txt").read_text()
 
 
 def test_the_timed_call_waits_for_the_device():
@@ -185,7 +185,6 @@ def test_pytorch_cast_to_float16_passes_the_gpu_peers_check():
     assert 2 * off < check_tolerance("torch-sdpa", "float16", gpu=True), off
 
 
-@pytest.mark.slow
 def test_a_layers_forward_and_backward_compile_for_cuda(tmp_path):
     """What add_tvm_dispatch compiles for a GPU: every forward and backward kernel scheduled by
     dlight's rules, a rule that raises on one (GEMV's, on some backward kernels) passed over."""
