@@ -1,11 +1,12 @@
 """Load on embedding servers as users put it: an async HTTP client (httpx, keep-alive
-connections) on 127.0.0.1, one text a request, texts of real English cut to 8-256 tokens, at
-several concurrencies: throughput, p50 and p99 per server, the servers one after another on the
-same cores. `tvmbert serve PACKAGE` against infinity-emb serving the package's source folder (its
-torch engine, and its optimum engine where the folder holds an ONNX model), each started here on a
-free port and stopped after; then the same texts through `tvmbert.load` called directly, one at a
-time (what the server adds at concurrency 1). Before timing, each server's vectors for the same
-texts are compared with tvmbert's (cosine).
+connections) on 127.0.0.1, one text a request, texts of real English (the model's README prose)
+cut to 8-256 tokens, at several concurrencies: throughput, p50 and p99 per server.
+`tvmbert serve PACKAGE` against infinity-emb serving the package's source folder (its torch
+engine, and its optimum engine on an ONNX export of it), all started here on free ports at once,
+then each level in rounds with the servers in turn (who goes first rotating), so that the
+machine's other load falls on all alike; then the same texts through `tvmbert.load` called
+directly, one at a time (what the server adds at concurrency 1). Before timing, each server's
+vectors for the same texts are compared with tvmbert's (cosine).
 
     python benchmarks/serve_load.py PACKAGE [--concurrency 1,8,32,128] [--requests 200]
         [--infinity /tmp/infvenv/bin/infinity_emb] [--engines torch,optimum] [--onnx-folder DIR]
@@ -13,7 +14,7 @@ texts are compared with tvmbert's (cosine).
 
 infinity-emb pins transformers 4.x: install it in a virtual environment of its own
 (docs/serving.md). Every level is bounded: --requests each (at least 4 x the concurrency), and
---max-seconds of sending.
+--max-seconds of sending per server.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ def free_port() -> int:
 class Served:
     """A server process on 127.0.0.1 and the route that embeds."""
 
-    def __init__(self, name: str, command: list[str], port: int, route: str, env: dict | None = None):
+    def __init__(self, name: str, command: list[str], port: int, route: str, env: dict | None = None, cwd: str | None = None):
         self.name, self.port, self.route = name, port, route
         self.log = open(f"/tmp/serve_load-{name}.log", "w")  # closed in stop()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd)
         self.url = f"http://127.0.0.1:{port}"
 
     def wait_ready(self, timeout: float = 600) -> None:
@@ -115,7 +116,8 @@ async def embed(client, served: Served, batch: list[str]) -> np.ndarray:
 
 
 async def level(served: Served, sample: list[str], concurrency: int, max_seconds: float) -> dict:
-    """``sample`` sent one text a request by ``concurrency`` workers sharing one client."""
+    """``sample`` sent one text a request by ``concurrency`` workers sharing one client (after a
+    warm-up): the latencies of the answered ones, the failures, the seconds it took."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -137,10 +139,14 @@ async def level(served: Served, sample: list[str], concurrency: int, max_seconds
                 (latencies if ok else failures).append((time.perf_counter() - sent) * 1e3)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - started
-    return {"concurrency": concurrency, "requests": len(latencies) + len(failures), "failed": len(failures),
-            "per_s": round(len(latencies) / seconds, 1), "p50_ms": round(float(np.percentile(latencies, 50)), 1),
-            "p99_ms": round(float(np.percentile(latencies, 99)), 1)}
+        return {"latencies": latencies, "failed": len(failures), "seconds": time.perf_counter() - started}
+
+
+def summary(concurrency: int, runs: list[dict]) -> dict:
+    latencies = [ms for run in runs for ms in run["latencies"]]
+    return {"concurrency": concurrency, "requests": len(latencies) + sum(r["failed"] for r in runs),
+            "failed": sum(r["failed"] for r in runs), "per_s": round(len(latencies) / sum(r["seconds"] for r in runs), 1),
+            "p50_ms": round(float(np.percentile(latencies, 50)), 1), "p99_ms": round(float(np.percentile(latencies, 99)), 1)}
 
 
 async def same_vectors(served: Served, reference: np.ndarray | None, probe: list[str]) -> tuple[np.ndarray, float | None]:
@@ -175,15 +181,22 @@ def cpu() -> str:
     return f"{get('Model name')} (family {get('CPU family')} model {get('Model')}), {get('CPU(s)')} CPUs"
 
 
-def servers(args, source: Path) -> list[tuple[str, list[str], str, dict]]:
-    """(name, command, embeddings route, environment) of each server to measure, in order."""
-    found = [("tvmbert", [sys.executable, "-m", "tvmbert", "serve", args.package, "--port", "{port}"], "/v1/embeddings", {})]
+def servers(args, source: Path) -> list[tuple[str, list[str], str, dict, str | None]]:
+    """(name, command, embeddings route, environment, working folder) of each server to measure,
+    in order. infinity's optimum engine runs in the ONNX folder with --model-id . (infinity-emb
+    0.0.78 names the ONNX file by the path it found it at, which optimum 2.x matches against bare
+    file names: an absolute path is never found), and is told to pool by the mean."""
+    found = [("tvmbert", [sys.executable, "-m", "tvmbert", "serve", str(Path(args.package).resolve()), "--port", "{port}"],
+              "/v1/embeddings", {}, None)]
     quiet = {"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
     for engine in args.engines.split(",") if args.infinity else ():
-        folder = Path(args.onnx_folder) if engine == "optimum" and args.onnx_folder else source
-        found.append((f"infinity-{engine}", [args.infinity, "v2", "--model-id", str(folder), "--engine", engine, "--device", "cpu",
-                                             "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", "minilm"],
-                      "/embeddings", quiet))
+        if engine == "optimum" and not args.onnx_folder:
+            raise SystemExit("infinity's optimum engine needs --onnx-folder (optimum-cli export onnx --model FOLDER OUT)")
+        # Its optimum engine pools the first token unless told (cosine 0.38 to the model's own vectors).
+        folder, cwd, pooling = (".", args.onnx_folder, ["--pooling-method", "mean"]) if engine == "optimum" else (str(source), None, [])
+        found.append((f"infinity-{engine}", [args.infinity, "v2", "--model-id", folder, "--engine", engine, "--device", "cpu",
+                                             "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", "minilm", *pooling],
+                      "/embeddings", quiet, cwd))
     return found
 
 
@@ -192,7 +205,8 @@ def main() -> None:
     parser.add_argument("package")
     parser.add_argument("--concurrency", default="1,8,32,128")
     parser.add_argument("--requests", type=int, default=200, help="per level (at least 4 x its concurrency)")
-    parser.add_argument("--max-seconds", type=float, default=120, help="of sending, per level")
+    parser.add_argument("--max-seconds", type=float, default=120, help="of sending, per level and server")
+    parser.add_argument("--rounds", type=int, default=2, help="each level's requests split into rounds, the servers in turn")
     parser.add_argument("--infinity", help="infinity_emb's command (its own virtual environment)")
     parser.add_argument("--engines", default="torch,optimum", help="infinity's engines to measure")
     parser.add_argument("--onnx-folder", help="the model folder with an ONNX export, for infinity's optimum engine")
@@ -205,6 +219,7 @@ def main() -> None:
     source = Path(manifest["model"]["name"])
     tokenizer = Tokenizer.from_file(str(Path(args.package) / manifest["tokenizer"]))
     tokenizer.no_truncation()
+    tokenizer.no_padding()  # MiniLM's tokenizer.json pads every text to 128
     words = corpus(source)
     levels = [int(c) for c in args.concurrency.split(",")]
     sample = texts(words, tokenizer, max(args.requests, 4 * max(levels)))
@@ -213,23 +228,38 @@ def main() -> None:
     results = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cpu": cpu(), "date": time.strftime("%Y-%m-%d"),
                "texts": {"count": len(sample), "tokens_min": min(tokens), "tokens_median": int(np.median(tokens)),
                          "tokens_max": max(tokens)}, "servers": {}}
-    reference = None
-    for name, command, route, env in servers(args, source):
-        port = free_port()
-        served = Served(name, [part.replace("{port}", str(port)) for part in command], port, route, env)
-        try:
+    # Every server up at once (an idle one waits on its socket), then each level in rounds, the
+    # servers in turn, who goes first rotating: the machine's other load falls on all alike.
+    running = []
+    try:
+        for name, command, route, env, cwd in servers(args, source):
+            port = free_port()
+            running.append(Served(name, [part.replace("{port}", str(port)) for part in command], port, route, env, cwd))
+        reference = None
+        for served in running:
             served.wait_ready()
             vectors, cosine = asyncio.run(same_vectors(served, reference, probe))
             reference = vectors if reference is None else reference
-            rows = []
-            for concurrency in levels:
-                count = max(args.requests, 4 * concurrency)
-                rows.append(asyncio.run(level(served, sample[:count], concurrency, args.max_seconds)))
-                print(name, rows[-1], file=sys.stderr, flush=True)
-            results["servers"][name] = {"min_cosine_to_tvmbert": cosine, "levels": rows}
-        finally:
+            results["servers"][served.name] = {"min_cosine_to_tvmbert": cosine, "levels": []}
+        for concurrency in levels:
+            count = max(args.requests, 4 * concurrency)
+            share = -(-count // args.rounds)
+            runs: dict[str, list] = {served.name: [] for served in running}
+            load = [round(os.getloadavg()[0], 2)]  # the machine's other work shows here
+            for round_index in range(args.rounds):
+                order = running[round_index % len(running):] + running[: round_index % len(running)]
+                for served in order:
+                    part = sample[round_index * share : (round_index + 1) * share]
+                    runs[served.name].append(asyncio.run(level(served, part, concurrency, args.max_seconds / args.rounds)))
+            load.append(round(os.getloadavg()[0], 2))
+            for served in running:
+                row = {**summary(concurrency, runs[served.name]), "load_average": load}
+                results["servers"][served.name]["levels"].append(row)
+                print(served.name, row, file=sys.stderr, flush=True)
+    finally:
+        for served in running:
             served.stop()
-    results["direct"] = direct(args.package, sample[: args.requests])
+    results["direct"] = {**direct(args.package, sample[: args.requests]), "load_average": round(os.getloadavg()[0], 2)}
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:
