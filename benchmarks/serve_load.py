@@ -4,9 +4,9 @@ cut to 8-256 tokens, at several concurrencies: throughput, p50 and p99 per serve
 `tvmbert serve PACKAGE` against infinity-emb serving the package's source folder (its torch
 engine, and its optimum engine on an ONNX export of it), all started here on free ports at once,
 then each level in rounds with the servers in turn (who goes first rotating), so that the
-machine's other load falls on all alike; then the same texts through `tvmbert.load` called
-directly, one at a time (what the server adds at concurrency 1). Before timing, each server's
-vectors for the same texts are compared with tvmbert's (cosine).
+machine's other load falls on all alike; at concurrency 1, the same texts through
+`tvmbert.load` called directly in the same rounds, one at a time (what the server adds). Before
+timing, each server's vectors for the same texts are compared with tvmbert's (cosine).
 
     python benchmarks/serve_load.py PACKAGE [--concurrency 1,8,32,128] [--requests 200]
         [--infinity /tmp/infvenv/bin/infinity_emb] [--engines torch,optimum] [--onnx-folder DIR]
@@ -158,11 +158,9 @@ async def same_vectors(served: Served, reference: np.ndarray | None, probe: list
     return vectors, None if reference is None else round(float((vectors * reference).sum(axis=1).min()), 6)
 
 
-def direct(package: str, sample: list[str]) -> dict:
-    """The same texts, one call each, through tvmbert.load in this process."""
-    from tvmbert import load
-
-    model = load(package)
+def direct(model, sample: list[str]) -> dict:
+    """The same texts, one call each, through tvmbert.load's model in this process (a level's
+    shape, so that ``summary`` takes it)."""
     for text in sample[:8]:
         model.encode([text])
     latencies = []
@@ -170,8 +168,7 @@ def direct(package: str, sample: list[str]) -> dict:
         started = time.perf_counter()
         model.encode([text])
         latencies.append((time.perf_counter() - started) * 1e3)
-    return {"requests": len(sample), "per_s": round(len(sample) / (sum(latencies) / 1e3), 1),
-            "p50_ms": round(float(np.percentile(latencies, 50)), 1), "p99_ms": round(float(np.percentile(latencies, 99)), 1)}
+    return {"latencies": latencies, "failed": 0, "seconds": sum(latencies) / 1e3}
 
 
 def cpu() -> str:
@@ -230,7 +227,9 @@ def main() -> None:
                          "tokens_max": max(tokens)}, "servers": {}}
     # Every server up at once (an idle one waits on its socket), then each level in rounds, the
     # servers in turn, who goes first rotating: the machine's other load falls on all alike.
-    running = []
+    from tvmbert import load
+
+    model, direct_runs, running = load(args.package), [], []
     try:
         for name, command, route, env, cwd in servers(args, source):
             port = free_port()
@@ -248,9 +247,11 @@ def main() -> None:
             load = [round(os.getloadavg()[0], 2)]  # the machine's other work shows here
             for round_index in range(args.rounds):
                 order = running[round_index % len(running):] + running[: round_index % len(running)]
+                part = sample[round_index * share : (round_index + 1) * share]
                 for served in order:
-                    part = sample[round_index * share : (round_index + 1) * share]
                     runs[served.name].append(asyncio.run(level(served, part, concurrency, args.max_seconds / args.rounds)))
+                if concurrency == 1:  # in the same rounds: the same load
+                    direct_runs.append(direct(model, part))
             load.append(round(os.getloadavg()[0], 2))
             for served in running:
                 row = {**summary(concurrency, runs[served.name]), "load_average": load}
@@ -259,7 +260,8 @@ def main() -> None:
     finally:
         for served in running:
             served.stop()
-    results["direct"] = {**direct(args.package, sample[: args.requests]), "load_average": round(os.getloadavg()[0], 2)}
+    if direct_runs:
+        results["direct"] = summary(1, direct_runs)
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:
