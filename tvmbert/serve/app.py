@@ -20,10 +20,13 @@ GONE = 499  # nginx's status for a client that closed the connection before its 
 log = logging.getLogger("tvmbert.serve")
 
 
-def error_response(status: int, message: str, kind: str):
+def error_response(status: int, message: str, kind: str, route: str = ""):
+    """``{"error": message, "type": kind}``; on OpenAI's routes ``error`` is OpenAI's object
+    (message, type, param, code), which its clients read the message from."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": message, "type": kind}, status_code=status)
+    said = {"message": message, "type": kind, "param": None, "code": None} if route.startswith("/v1/") else message
+    return JSONResponse({"error": said, "type": kind}, status_code=status)
 
 
 async def _client_gone(receive) -> None:
@@ -47,7 +50,7 @@ def make_app(service: Service, started=None):
             if in_flight >= service.limits.max_concurrent_requests:
                 service.metrics.count(route, 429)
                 return error_response(429, f"{in_flight} requests in flight: this server takes at most "
-                                      f"{service.limits.max_concurrent_requests} at once; retry", "overloaded")
+                                      f"{service.limits.max_concurrent_requests} at once; retry", "overloaded", route)
             in_flight += 1
             service.metrics.set_gauge("tvmbert_requests_in_flight", in_flight)
             status, work, gone = 500, None, None
@@ -66,13 +69,14 @@ def make_app(service: Service, started=None):
                 return JSONResponse(answer)
             except RequestError as exc:
                 status = exc.status
-                return error_response(exc.status, str(exc), exc.kind)
+                return error_response(exc.status, str(exc), exc.kind, route)
             except InputError as exc:  # the package refused what the checks let through
                 status = 400
-                return error_response(400, str(exc), "invalid_request_error")
+                return error_response(400, str(exc), "invalid_request_error", route)
             except Exception as exc:  # noqa: BLE001 - the server's own fault: said as JSON, logged, served on
                 log.exception("%s failed", route)
-                return error_response(500, f"the server failed on this request ({type(exc).__name__}: {exc})", "server_error")
+                return error_response(500, f"the server failed on this request ({type(exc).__name__}: {exc})", "server_error",
+                                      route)
             finally:
                 for task in (work, gone):  # done ones ignore it; both, if this request itself was cancelled
                     if task is not None:
@@ -93,7 +97,7 @@ def make_app(service: Service, started=None):
 
     async def refused(request, exc):
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request_error")
-        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+        return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind, request.url.path)
 
     up_since = time.time()
     routes = [
