@@ -1,5 +1,6 @@
 """An exported package served over HTTP (`tvmbert serve`): the layer over ``deploy``, never under
-it. Concurrent requests are merged into batches (``batcher``), embeddings pooled as
-sentence-transformers pools them (``pooling``), and the HTTP API (``app``: OpenAI's and TEI's
-embedding routes, a classifier's predictions, health, info, Prometheus metrics) turns every
-error into a 4xx with a JSON body. May import core and deploy; never torch."""
+it. ``requests`` reads and checks a request's body, ``service`` computes each route's answer
+(pooled as sentence-transformers pools, by ``pooling``), ``batcher`` merges concurrent requests
+into runs of the package, ``metrics`` counts for Prometheus, ``openapi`` describes the API, ``app``
+is the Starlette application (admission, clients that leave, errors as JSON 4xx), and ``run`` the
+process (socket, uvicorn, signals). May import core and deploy; never torch."""

@@ -10,9 +10,9 @@ from collections import Counter
 
 SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 GAUGES = {"tvmbert_requests_in_flight": "Requests admitted and not yet answered",
           "tvmbert_queue_requests": "Requests waiting for a batch"}
-TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Histogram:

@@ -34,6 +34,7 @@ class Service:
         if limits.max_batch_tokens < model.max_seq_len:
             raise InputError(f"--max-batch-tokens {limits.max_batch_tokens} is below the package's longest input "
                              f"({model.max_seq_len} tokens): one such text could never run")
+        model.tokenizer()  # a package without one (or without the tokenizers package) is refused at start, not per request
         self.model, self.limits, self.metrics = model, limits, Metrics()
         packaged = model.manifest.get("pooling") or {}
         self.pooling = pooling or packaged.get("mode", "mean_tokens")
