@@ -263,6 +263,42 @@ def test_a_body_streamed_past_the_limit_is_refused_while_it_arrives(server):
         connection.close()
 
 
+def test_the_batcher_counts_tokens_as_rows_times_the_longest_and_leaves_out_cancelled_requests():
+    """TEI's budget: a text of 40 tokens and two of 8 cost 3 x 40 = 120 > 64, so they run as [40]
+    and [8, 8]; a request cancelled while it waits (its client gone) never runs; what the budget
+    leaves waits for the next batch."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tvmbert.serve.batcher import Batcher
+    from tvmbert.serve.metrics import Metrics
+
+    runs = []
+
+    def run(encodings):
+        runs.append([len(e.ids) for e in encodings])
+        time.sleep(0.05)
+        return {"lengths": [len(e.ids) for e in encodings]}
+
+    async def submit_all(lengths, cancel=None):
+        batcher = Batcher(run, 64, 0.05, Metrics())
+        batcher.start()
+        tasks = [asyncio.ensure_future(batcher.submit([SimpleNamespace(ids=[0] * n)])) for n in lengths]
+        if cancel is not None:
+            await asyncio.sleep(0.02)  # the first batch runs; the others wait for the next
+            tasks[cancel].cancel()
+        answers = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        await batcher.stop()
+        return answers
+
+    assert asyncio.run(submit_all([40, 8, 8])) == [{"lengths": [40]}, {"lengths": [8]}, {"lengths": [8]}]
+    assert runs == [[40], [8, 8]]
+    runs.clear()
+    answers = asyncio.run(submit_all([16] * 10, cancel=5))
+    assert isinstance(answers[5], asyncio.CancelledError) and all(a == {"lengths": [16]} for i, a in enumerate(answers) if i != 5)
+    assert runs == [[16] * 4, [16] * 4, [16]]
+
+
 def test_the_loaded_package_names_what_is_wrong_with_texts_it_cannot_take(expected):
     from tvmbert import InputError
 

@@ -67,7 +67,9 @@ class Batcher:
             await self.arrived.wait()
             await self._wait_for_company()
             batch = self._take()
-            if not self.waiting:
+            if self.waiting:  # left for the next batch: run it next, whatever cleared the event while waiting
+                self.arrived.set()
+            else:
                 self.arrived.clear()
             if batch:
                 await self._run(batch)
