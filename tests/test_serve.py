@@ -411,3 +411,110 @@ def test_a_classifier_package_predicts_its_config_labels(tmp_path_factory, workd
         assert classifier.post("/embed", {"inputs": "hi"})[1]["type"] == "unsupported"
     finally:
         assert classifier.stop() == 0
+
+
+NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+
+
+@pytest.mark.slow
+def test_a_token_classifier_finds_the_entities_transformers_pipeline_finds(tmp_path_factory, workdir):
+    """/classify_tokens against transformers' token-classification pipeline on the same folder:
+    the same entities, types, scores and character spans, grouped (simple) and token by token
+    (none); a long text cut when asked; another head's route refused."""
+    import transformers
+
+    folder = _small_bert(tmp_path_factory.mktemp("serve") / "tagger", transformers.BertForTokenClassification,
+                         id2label=dict(enumerate(NER_LABELS)), label2id={label: i for i, label in enumerate(NER_LABELS)},
+                         initializer_range=0.3)  # decisive labels: no near-tie for float rounding to flip
+    package = _export(folder, workdir)
+    tagger = Server(package)
+    try:
+        for strategy in ("simple", "none"):
+            expected = transformers.pipeline("token-classification", model=str(folder), aggregation_strategy=strategy)(TEXTS)
+            status, found = tagger.post("/classify_tokens", {"inputs": TEXTS, "aggregation_strategy": strategy})
+            assert status == 200 and len(found) == len(TEXTS)
+            kind = "entity_group" if strategy == "simple" else "entity"
+            assert sum(map(len, found)) > len(TEXTS)  # something to compare: not every token O
+            for text, mine, theirs in zip(TEXTS, found, expected):
+                assert [(e[kind], e["start"], e["end"]) for e in mine] == [(e[kind], e["start"], e["end"]) for e in theirs]
+                np.testing.assert_allclose([e["score"] for e in mine], [float(e["score"]) for e in theirs], atol=2e-5)
+                if strategy == "none":
+                    assert [(e["index"], e["word"]) for e in mine] == [(e["index"], e["word"]) for e in theirs]
+                else:  # the text it spans, as written (the pipeline joins lower-cased word pieces)
+                    assert all(e["word"] == text[e["start"]:e["end"]] for e in mine)
+        long = " ".join(TEXTS)
+        assert tagger.post("/classify_tokens", {"inputs": long})[0] == 413
+        status, [cut] = tagger.post("/classify_tokens", {"inputs": long, "truncate": True})
+        assert status == 200 and all(e["end"] <= len(long) for e in cut)
+        assert tagger.post("/classify_tokens", {"inputs": "hi", "aggregation_strategy": "max"})[0] == 422
+        status, refused = tagger.post("/answer", {"inputs": {"question": "who?", "context": "me"}})
+        assert status == 400 and refused["type"] == "unsupported" and "token-classification" in refused["error"]
+        assert tagger.request("GET", "/info")[1]["task"] == "token-classification"
+    finally:
+        assert tagger.stop() == 0
+
+
+def _best_span(encoding, start_logits, end_logits, max_answer_len):
+    """The pipeline's answer, by brute force over every pair of context tokens: each probability
+    a softmax over the context and the first token, the score their product."""
+    allowed = [i for i, sequence in enumerate(encoding.sequence_ids) if sequence == 1]
+    def probabilities(logits):
+        exp = np.exp(np.asarray(logits, np.float64)[[0, *allowed]] - max(np.asarray(logits)[[0, *allowed]]))
+        return dict(zip([0, *allowed], exp / exp.sum()))
+    starts, ends = probabilities(start_logits), probabilities(end_logits)
+    return max((starts[i] * ends[j], encoding.offsets[i][0], encoding.offsets[j][1])
+               for i in allowed for j in allowed if i <= j < i + max_answer_len)
+
+
+@pytest.mark.slow
+def test_answers_are_the_likeliest_span_over_every_window_of_a_long_context(tmp_path_factory, workdir):
+    """/answer against the PyTorch model's logits on the same windows (the question whole in
+    each, the context in overlapping stretches), decoded by brute force: the same span and score;
+    top_k, word alignment, a list of inputs, and every limit said."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    folder = _small_bert(tmp_path_factory.mktemp("serve") / "reader", transformers.BertForQuestionAnswering, initializer_range=0.3)
+    package = _export(folder, workdir)
+    question, context, stride = "Where is the capital of France?", " ".join(TEXTS + TEXTS[::-1]), 8
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.enable_truncation(SEQ_LEN, stride=stride, strategy="only_second")
+    tokenizer.no_padding()
+    first = tokenizer.encode(question, context)
+    windows = [first, *first.overflowing]
+    assert len(windows) > 3
+    model = transformers.BertForQuestionAnswering.from_pretrained(folder).eval()
+    best = []
+    with torch.no_grad():
+        for window in windows:
+            out = model(input_ids=torch.tensor([window.ids]), token_type_ids=torch.tensor([window.type_ids]))
+            best.append(_best_span(window, out.start_logits[0].numpy(), out.end_logits[0].numpy(), 15))
+    score, start, end = max(best)
+    reader = Server(package, "--max-inputs-per-request", "12")
+    try:
+        asked = {"inputs": {"question": question, "context": context}, "doc_stride": stride}
+        status, answer = reader.post("/answer", asked | {"align_to_words": False})
+        assert status == 200 and (answer["start"], answer["end"], answer["answer"]) == (start, end, context[start:end])
+        np.testing.assert_allclose(answer["score"], score, rtol=1e-4)
+        status, aligned = reader.post("/answer", asked)  # widened to whole words
+        assert aligned["start"] <= start and aligned["end"] >= end
+        assert aligned["start"] == 0 or not context[aligned["start"] - 1].isalnum()
+        assert aligned["end"] == len(context) or not context[aligned["end"]].isalnum()
+        status, top = reader.post("/answer", asked | {"top_k": 3, "align_to_words": False})
+        assert [a["score"] for a in top] == sorted((a["score"] for a in top), reverse=True) and top[0] == answer
+        status, two = reader.post("/answer", {"inputs": [asked["inputs"], {"question": "Who eats?", "context": TEXTS[0]}],
+                                              "doc_stride": stride, "align_to_words": False})
+        assert status == 200 and two[0] == answer and two[1]["answer"] == TEXTS[0][two[1]["start"]:two[1]["end"]]
+        for payload, code, fragment in [
+            ({"inputs": {"question": "why?"}}, 422, "'inputs'.context must be a string"),
+            ({"inputs": [{"question": "", "context": "x"}]}, 422, "'inputs'[0].question is empty"),
+            ({"inputs": {"question": "why?", "context": "x"}, "top_k": 0}, 422, "'top_k' must be an integer from 1 to 100"),
+            ({"inputs": {"question": " ".join(TEXTS), "context": "x"}}, 413, "the question has"),
+            ({"inputs": {"question": "why?", "context": context * 4}}, 413, "windows"),
+        ]:
+            status, refused = reader.post("/answer", payload)
+            assert status == code and fragment in refused["error"], refused
+        assert reader.post("/answer", asked)[1] == aligned  # served on
+    finally:
+        assert reader.stop() == 0

@@ -106,7 +106,25 @@ class ExportedModel:
                                f"{exc}); export the package again") from None
         self._lock = threading.Lock()
         self._tokenizer = self._truncating = None
+        self._windowing: dict[int, object] = {}  # by stride
         self._tokenizer_lock = threading.Lock()
+
+    @property
+    def task(self) -> str:
+        """The head it was exported with (a core.families TASKS key). Packages written before
+        export recorded it: read off the outputs, per-token logits with labels being a token
+        classifier's."""
+        recorded = self.manifest["model"].get("task")
+        if recorded:
+            return recorded
+        names = {o["name"]: o["per_token"] for o in self.outputs}
+        if "start_logits" in names:
+            return "question-answering"
+        if "last_hidden_state" in names:
+            return "feature-extraction"
+        if not names.get("logits"):
+            return "text-classification"
+        return "token-classification" if self.manifest.get("labels") else "fill-mask"
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -188,6 +206,34 @@ class ExportedModel:
             raise InputError(f"text {longest} has {lengths[longest]} tokens; this package takes at most {self.max_seq_len} "
                              f"(its largest bucket): shorten it, or export with a larger --seq-len")
         return encodings
+
+    def tokenize_windows(self, question: str, context: str, stride: int) -> list:
+        """A question and its context as encodings of at most the largest bucket each: the
+        question whole in every one, the context cut into windows that overlap by ``stride``
+        tokens (at most half of what a window holds of it), as transformers' question-answering
+        pipeline cuts a long context (its ``doc_stride``)."""
+        for name, text in (("question", question), ("context", context)):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(f"the {name} holds a lone surrogate at {exc.start}: not Unicode text") from None
+        question_tokens = len(self.tokenizer().encode(question, add_special_tokens=False).ids)
+        room = self.max_seq_len - question_tokens - len(self.tokenizer().encode("", "").ids)  # what a window has for context
+        if room < 2:
+            raise InputError(f"the question has {question_tokens} tokens: with the context's it must fit this package's "
+                             f"largest bucket ({self.max_seq_len} tokens) with room for the context")
+        stride = max(0, min(stride, room // 2))
+        with self._tokenizer_lock:
+            if stride not in self._windowing:
+                from tokenizers import Tokenizer
+
+                tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
+                tokenizer.enable_truncation(self.max_seq_len, stride=stride, strategy="only_second")
+                tokenizer.no_padding()
+                self._windowing[stride] = tokenizer
+            tokenizer = self._windowing[stride]
+        first = tokenizer.encode(question, context)
+        return [first, *first.overflowing]
 
     def run_encodings(self, encodings) -> dict:
         """``encode`` of texts ``tokenize`` encoded (a server tokenizes each request as it comes,

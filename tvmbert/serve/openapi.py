@@ -9,6 +9,10 @@ import json
 
 TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}]}
 ERROR = {"type": "object", "required": ["error", "type"], "properties": {"error": {"type": "string"}, "type": {"type": "string"}}}
+QUESTION = {"type": "object", "required": ["question", "context"],
+            "properties": {"question": {"type": "string"}, "context": {"type": "string"}}}
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "number"},
+                                           "start": {"type": "integer"}, "end": {"type": "integer"}}}
 VECTORS = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
 
 # (method, path, summary, request body schema or None, answer schema)
@@ -31,6 +35,24 @@ ROUTES = (
      {"type": "object", "required": ["inputs"], "properties": {"inputs": TEXTS, "truncate": {"type": "boolean", "default": False}}},
      {"type": "array", "items": {"type": "array", "items": {"type": "object", "properties": {
          "label": {"type": "string"}, "score": {"type": "number"}}}}}),
+    ("post", "/classify_tokens", "For a token classifier: per input, its entities as transformers' token-classification "
+     "pipeline finds them; simple groups B-/I- tags into entities, none gives each token not labelled O",
+     {"type": "object", "required": ["inputs"], "properties": {
+         "inputs": TEXTS, "aggregation_strategy": {"enum": ["simple", "none"], "default": "simple"},
+         "truncate": {"type": "boolean", "default": False}}},
+     {"type": "array", "items": {"type": "array", "items": {"type": "object", "properties": {
+         "entity_group": {"type": "string"}, "entity": {"type": "string"}, "score": {"type": "number"},
+         "index": {"type": "integer"}, "word": {"type": "string"}, "start": {"type": "integer"}, "end": {"type": "integer"}}}}}),
+    ("post", "/answer", "For a question-answering model: the likeliest span of each context, as transformers' pipeline "
+     "finds it, a long context read in windows sharing doc_stride tokens; one answer per input, a list where top_k > 1, "
+     "null where no span qualifies",
+     {"type": "object", "required": ["inputs"], "properties": {
+         "inputs": {"oneOf": [QUESTION, {"type": "array", "items": QUESTION, "minItems": 1}]},
+         "top_k": {"type": "integer", "default": 1, "minimum": 1, "maximum": 100},
+         "max_answer_len": {"type": "integer", "default": 15, "minimum": 1},
+         "doc_stride": {"type": "integer", "default": 128, "minimum": 0},
+         "align_to_words": {"type": "boolean", "default": True}}},
+     {"oneOf": [ANSWER, {"type": "array", "items": {"oneOf": [ANSWER, {"type": "array", "items": ANSWER}]}}]}),
     ("get", "/health", "200 once the package is loaded and the batcher runs", None, {"type": "object"}),
     ("get", "/info", "The model, dtype, target key, buckets, pooling, labels and limits", None, {"type": "object"}),
     ("get", "/metrics", "Prometheus text: requests by route and status, queue and compute time, batch sizes and tokens",

@@ -63,12 +63,17 @@ def texts(payload: dict, field: str, max_inputs: int) -> list[str]:
         if not isinstance(text, str):
             raise RequestError(422, f"'{field}'[{index}] is a {type(text).__name__}: every input must be a string "
                                "(token ids are not taken)")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RequestError(422, f"'{field}'[{index}] holds a lone surrogate (\\u{ord(text[exc.start]):04x}) at "
-                               f"{exc.start}: not Unicode text") from None
+        unicode(f"'{field}'[{index}]", text)
     return value
+
+
+def unicode(where: str, text: str) -> None:
+    """Refuses a string that is not Unicode text (a lone surrogate, which JSON's \\u escapes allow)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(422, f"{where} holds a lone surrogate (\\u{ord(text[exc.start]):04x}) at {exc.start}: "
+                           "not Unicode text") from None
 
 
 def flag(payload: dict, field: str, default: bool) -> bool:
@@ -91,3 +96,38 @@ def optional_string(payload: dict, field: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise RequestError(422, f"'{field}' must be a string, got {type(value).__name__}")
     return value
+
+
+def integer(payload: dict, field: str, default: int, low: int, high: int) -> int:
+    """``payload[field]``, an integer in [low, high] (``default`` when absent)."""
+    value = payload.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(422, f"'{field}' must be an integer from {low} to {high}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def question_contexts(payload: dict, max_inputs: int) -> tuple[list[tuple[str, str]], bool]:
+    """``payload["inputs"]``: one {"question", "context"} object or a non-empty list of them, as
+    (question, context) pairs; and whether it was one object (answered with one answer)."""
+    value = payload.get("inputs")
+    single = isinstance(value, dict)
+    items = [value] if single else value
+    if not isinstance(items, list) or not items:
+        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
+        raise RequestError(422, "'inputs' must be an object {\"question\": ..., \"context\": ...} or a non-empty list of them, "
+                           f"got {got}")
+    if len(items) > max_inputs:
+        raise too_large(f"'inputs' holds {len(items)} inputs; this server takes at most {max_inputs} a request")
+    pairs = []
+    for index, item in enumerate(items):
+        where = "'inputs'" if single else f"'inputs'[{index}]"
+        if not isinstance(item, dict):
+            raise RequestError(422, f"{where} must be an object with a question and a context, got {type(item).__name__}")
+        for key in ("question", "context"):
+            if not isinstance(item.get(key), str):
+                raise RequestError(422, f"{where}.{key} must be a string, got {type(item.get(key)).__name__}")
+            unicode(f"{where}.{key}", item[key])
+        if not item["question"].strip():
+            raise RequestError(422, f"{where}.question is empty")
+        pairs.append((item["question"], item["context"]))
+    return pairs, single

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tvmbert.core.errors import InputError
-from tvmbert.serve import requests
+from tvmbert.serve import heads, requests
 from tvmbert.serve.batcher import Batcher
 from tvmbert.serve.metrics import Metrics
 from tvmbert.serve.pooling import MODES, normalized, pool
@@ -43,8 +43,7 @@ class Service:
         self.normalize_default = packaged.get("normalize", True)
         self.labels = model.manifest.get("labels")
         self.served_name = served_name or model.path.resolve().name
-        self.per_token = {o["name"] for o in model.outputs if o["per_token"]}  # one row per token
-        self.per_text = {o["name"] for o in model.outputs if not o["per_token"]}
+        self.task = model.task
         self.batcher: Batcher | None = None
 
     def start(self) -> None:
@@ -55,20 +54,21 @@ class Service:
     async def stop(self) -> None:
         await self.batcher.stop()
 
-    async def outputs(self, texts: list[str], truncate: bool) -> tuple[dict, int]:
-        """The package's outputs for ``texts``, run in a batch with other requests', and their
-        token count. A text over the largest bucket is a 413, unless ``truncate``."""
+    async def _tokenized(self, texts: list[str], truncate: bool) -> list:
+        """The texts' encodings, off the event loop. A text over the largest bucket is a 413, unless ``truncate``."""
         try:
-            encodings = await asyncio.to_thread(self.model.tokenize, texts, truncate)
+            return await asyncio.to_thread(self.model.tokenize, texts, truncate)
         except InputError as exc:
             raise requests.too_large(f"{exc} (or send \"truncate\": true)") from None
+
+    async def outputs(self, texts: list[str], truncate: bool) -> tuple[dict, int]:
+        """The package's outputs for ``texts``, run in a batch with other requests', and their token count."""
+        encodings = await self._tokenized(texts, truncate)
         return await self.batcher.submit(encodings), sum(len(e.ids) for e in encodings)
 
     async def vectors(self, payload: dict, field: str, normalize: bool, truncate: bool) -> tuple[list[np.ndarray], int]:
         """One pooled vector per text of ``payload[field]``, and their token count."""
-        if "last_hidden_state" not in self.per_token:
-            raise RequestError(400, "this package's model gives no last_hidden_state, so no embeddings: export the encoder "
-                               "(--task feature-extraction)", "unsupported")
+        self._needs("feature-extraction", "gives no last_hidden_state, so no embeddings: export the encoder")
         texts = requests.texts(payload, field, self.limits.max_inputs_per_request)
         outputs, tokens = await self.outputs(texts, truncate)
         vectors = [pool(hidden, self.pooling) for hidden in outputs["last_hidden_state"]]
@@ -100,22 +100,73 @@ class Service:
     async def predict(self, payload: dict) -> list:
         """TEI's ``POST /predict`` for a sequence classifier: per text, every label with its
         softmax score, most likely first."""
-        if "logits" not in self.per_text:
-            raise RequestError(400, "this package's model is not a sequence classifier: export one whose config names "
-                               "a ...ForSequenceClassification (--task text-classification)", "unsupported")
+        self._needs("text-classification", "is not a sequence classifier: export one whose config names a "
+                    "...ForSequenceClassification")
         truncate = requests.flag(payload, "truncate", False)
         texts = requests.texts(payload, "inputs", self.limits.max_inputs_per_request)
         outputs, _ = await self.outputs(texts, truncate)
         logits = np.asarray(outputs["logits"], dtype=np.float64)
         scores = np.exp(logits - logits.max(axis=1, keepdims=True))
         scores /= scores.sum(axis=1, keepdims=True)
-        names = self.labels if self.labels and len(self.labels) == logits.shape[1] else [f"LABEL_{i}" for i in range(logits.shape[1])]
+        names = self._label_names(logits.shape[1])
         return [[{"label": names[i], "score": float(row[i])} for i in np.argsort(-row, kind="stable")] for row in scores]
+
+    async def classify_tokens(self, payload: dict) -> list:
+        """Per text, its entities as transformers' token-classification pipeline finds them
+        (``aggregation_strategy`` simple: B-/I- tags grouped; none: each token), character
+        offsets into the text."""
+        self._needs("token-classification", "is not a token classifier: export one whose config names a "
+                    "...ForTokenClassification")
+        aggregation = requests.choice(payload, "aggregation_strategy", heads.AGGREGATIONS)
+        truncate = requests.flag(payload, "truncate", False)
+        texts = requests.texts(payload, "inputs", self.limits.max_inputs_per_request)
+        encodings = await self._tokenized(texts, truncate)
+        outputs = await self.batcher.submit(encodings)
+        names = self._label_names(outputs["logits"][0].shape[-1])
+        return [heads.token_entities(text, encoding, logits, names, aggregation)
+                for text, encoding, logits in zip(texts, encodings, outputs["logits"])]
+
+    async def answer(self, payload: dict):
+        """Extractive question answering as transformers' pipeline does it: the likeliest spans
+        of the context (one, or a list of ``top_k``), a long context read in overlapping windows
+        (``doc_stride`` tokens shared). ``inputs`` one {question, context} object, or a list."""
+        self._needs("question-answering", "is not a question-answering model: export one whose config names a "
+                    "...ForQuestionAnswering")
+        pairs, single = requests.question_contexts(payload, self.limits.max_inputs_per_request)
+        top_k = requests.integer(payload, "top_k", 1, 1, 100)
+        max_answer_len = requests.integer(payload, "max_answer_len", 15, 1, 1 << 20)
+        stride = requests.integer(payload, "doc_stride", 128, 0, 1 << 20)  # at most half a window, whatever is asked
+        align_to_words = requests.flag(payload, "align_to_words", True)
+        try:
+            windows = await asyncio.to_thread(lambda: [self.model.tokenize_windows(q, c, stride) for q, c in pairs])
+        except InputError as exc:
+            raise requests.too_large(str(exc)) from None
+        count = sum(map(len, windows))
+        if count > self.limits.max_inputs_per_request:
+            raise requests.too_large(f"the contexts make {count} windows of {self.model.max_seq_len} tokens; this server runs "
+                                     f"at most {self.limits.max_inputs_per_request} a request")
+        outputs = await self.batcher.submit([encoding for window in windows for encoding in window])
+        found, first = [], 0
+        for (_, context), window in zip(pairs, windows):
+            rows = slice(first, first + len(window))
+            best = heads.answers(context, window, outputs["start_logits"][rows], outputs["end_logits"][rows], top_k, max_answer_len,
+                                 align_to_words)
+            found.append(best[0] if top_k == 1 and best else best if top_k > 1 else None)
+            first += len(window)
+        return found[0] if single else found
+
+    def _needs(self, task: str, what: str) -> None:
+        if self.task != task:
+            raise RequestError(400, f"this package's model ({self.task}) {what} (--task {task})", "unsupported")
+
+    def _label_names(self, count: int) -> list[str]:
+        """config.json's id2label where the package recorded as many; LABEL_i otherwise, as transformers names them."""
+        return self.labels if self.labels and len(self.labels) == count else [f"LABEL_{i}" for i in range(count)]
 
     def info(self) -> dict:
         model = self.model
         return {"model": self.served_name, "source": model.manifest["model"]["name"], "dtype": model.manifest.get("dtype"),
-                "target": model.variant["target_key"], "outputs": sorted(self.per_token | self.per_text),
+                "target": model.variant["target_key"], "task": self.task, "outputs": list(model.output_names),
                 "buckets": [{"batch": b.batch, "seq_len": b.seq_len, **({"tokens": b.tokens} if b.tokens else {})} for b in model.buckets],
                 "max_input_tokens": model.max_seq_len, "pooling": self.pooling, "normalize": self.normalize_default,
                 "labels": self.labels, "limits": asdict(self.limits)}

@@ -221,7 +221,7 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
     builds = {"variants": list(variants.values())} if fleet else next(iter(variants.values()))
     manifest = {
         "format": VARIANTS_FORMAT if fleet else PACKED_FORMAT if packing_meta else FORMAT,
-        "model": {"name": job.source.name, "key": job.source.key, "fingerprint": job.source.fingerprint,
+        "model": {"name": job.source.name, "key": job.source.key, "fingerprint": job.source.fingerprint, "task": job.source.task,
                   "vocab_size": job.source.vocab_size, "type_vocab_size": job.source.type_vocab_size,
                   "max_positions": job.source.max_positions, "weight_bytes": convert_meta["weight_bytes"]},
         "dtype": job.config.dtype,
