@@ -10,6 +10,7 @@ import base64
 import http.client
 import importlib.util
 import json
+import os
 import re
 import shutil
 import signal
@@ -41,9 +42,11 @@ class Server:
     def __init__(self, package: Path, *options: str):
         self.process = subprocess.Popen([sys.executable, "-m", "tvmbert", "serve", str(package), "--port", "0", *options],
                                         cwd=REPO, stderr=subprocess.PIPE, text=True)
-        line = self.process.stderr.readline()  # "serve: PACKAGE on http://127.0.0.1:PORT" once it serves
-        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert found, line + self.process.stderr.read()
+        said = ""  # until "serve: PACKAGE on http://127.0.0.1:PORT" once it serves (Ray says things before)
+        while not (found := re.search(r"^serve: .* on http://127\.0\.0\.1:(\d+)", said, re.M)):
+            line = self.process.stderr.readline()
+            assert line, said
+            said += line
         self.port = int(found.group(1))
         self.said: list[str] = []  # what it printed after (read all along: a full pipe would block it)
         threading.Thread(target=lambda: self.said.extend(self.process.stderr), daemon=True).start()
@@ -518,3 +521,59 @@ def test_answers_are_the_likeliest_span_over_every_window_of_a_long_context(tmp_
         assert reader.post("/answer", asked)[1] == aligned  # served on
     finally:
         assert reader.stop() == 0
+
+
+def _replica_post(port: int, text: str, attempts: int = 8) -> tuple[int, list, str, int, float]:
+    """POST /embed as a client of a replicated service does: a 5xx or a dropped connection (a
+    replica died holding the request) retried after a pause. (status, vector, replica pid,
+    attempts used, when it was answered)."""
+    for attempt in range(1, attempts + 1):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        try:
+            connection.request("POST", "/embed", json.dumps({"inputs": text}), {"content-type": "application/json"})
+            response = connection.getresponse()
+            body = response.read()
+            if response.status < 500 or attempt == attempts:
+                replica = response.getheader("x-tvmbert-replica", "")
+                return response.status, json.loads(body), replica.rpartition("pid=")[2], attempt, time.monotonic()
+        except (ConnectionError, http.client.HTTPException):
+            if attempt == attempts:
+                raise
+        finally:
+            connection.close()
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="pip install 'tvmbert[ray]' (Ray Serve)")
+def test_ray_replicas_share_requests_and_one_killed_mid_run_leaves_the_other_serving(package, expected):
+    """`serve --ray --replicas 2` on a local Ray cluster on 127.0.0.1: requests go to both
+    replicas; one SIGKILLed under load, every request is still answered right (those it held
+    retried by the client), and none by it after; SIGTERM stops the cluster, exit 0."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    replicated = Server(package, "--ray", "--replicas", "2", "--replica-cpus", "1", "--port", str(port))
+    try:
+        first = [_replica_post(port, text) for text in TEXTS * 2]
+        assert all(status == 200 for status, *_ in first)
+        replicas = {pid for _, _, pid, _, _ in first}
+        assert len(replicas) == 2, replicas
+        victim = sorted(replicas)[0]
+        texts = [TEXTS[i % len(TEXTS)] for i in range(48)]
+        killed_at = []
+
+        def post(index: int):
+            if index == 12:
+                os.kill(int(victim), signal.SIGKILL)
+                killed_at.append(time.monotonic())
+            return _replica_post(port, texts[index])
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(post, range(len(texts))))
+        assert all(status == 200 for status, *_ in answers), [a[:2] for a in answers if a[0] != 200]
+        np.testing.assert_allclose([vector[0] for _, vector, *_ in answers], expected(texts), atol=1e-5)
+        after = [pid for _, _, pid, _, answered in answers if answered > killed_at[0] + 1]
+        assert after and victim not in after
+        assert {pid for _, _, pid, _, _ in answers} - {victim}  # the other (or Ray's new replica) served
+    finally:
+        assert replicated.stop() == 0

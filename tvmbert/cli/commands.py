@@ -352,15 +352,31 @@ def run_config(config_path, model, target, workdir, log_dir, force, as_json):
 @click.option("--pooling", type=click.Choice(POOLING_MODES), help="How token vectors become one (default: the model's "
               "sentence-transformers config, recorded at export, else mean_tokens).")
 @click.option("--served-model-name", help="The model name /v1/embeddings answers with (default: the package folder's name).")
+@click.option("--ray", "on_ray", is_flag=True, help="Serve from Ray Serve replicas behind Ray's proxy (the ray extra).")
+@click.option("--replicas", type=click.IntRange(1), default=2, show_default=True, help="With --ray: how many.")
+@click.option("--replica-cpus", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="With --ray: Ray CPUs each replica takes, and as many TVM threads.")
+@click.option("--ray-address", help="With --ray: a running cluster's address (default: RAY_ADDRESS, else a local one).")
 def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_requests, max_inputs_per_request, pooling,
-          served_model_name):
+          served_model_name, on_ray, replicas, replica_cpus, ray_address):
     """Serve an exported package over HTTP: OpenAI's /v1/embeddings, TEI's /embed and /predict,
-    /health, /info, /metrics, /docs (docs/serving.md). SIGTERM answers what is in flight, then exits 0."""
-    from tvmbert.serve.run import serve as run
+    /classify_tokens, /answer, /health, /info, /metrics, /docs (docs/serving.md). SIGTERM answers
+    what is in flight, then exits 0."""
     from tvmbert.serve.service import Limits
 
     limits = Limits(max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms, max_concurrent_requests=max_concurrent_requests,
                     max_inputs_per_request=max_inputs_per_request)
+    if on_ray:
+        try:
+            from tvmbert.serve.replicas import serve_on_ray
+        except ImportError as exc:
+            raise InputError(f"--ray needs Ray Serve ({exc}): pip install 'tvmbert[ray]'") from None
+        serve_on_ray(package, host, port, limits, pooling, served_model_name, replicas, replica_cpus, ray_address,
+                     ready=lambda bound_host, bound_port: err.print(
+                         f"serve: {package} on http://{bound_host}:{bound_port} ({replicas} Ray Serve replicas)", markup=False))
+        return
+    from tvmbert.serve.run import serve as run
+
     run(package, host, port, limits, pooling, served_model_name,
         ready=lambda bound_host, bound_port: err.print(f"serve: {package} on http://{bound_host}:{bound_port}", markup=False))
 
