@@ -20,7 +20,7 @@ demo: install
 	$(BIN)/tvmbert run configs/demo.yaml
 
 test: install
-	$(BIN)/pytest -q -n 2 --durations=25
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=25
 
 test-fast: install
 	$(BIN)/pytest -q -n 2 -m "not slow"

@@ -10,7 +10,7 @@ timing, each server's vectors for the same texts are compared with tvmbert's (co
 
     python benchmarks/serve_load.py PACKAGE [--concurrency 1,8,32,128] [--requests 200]
         [--infinity /tmp/infvenv/bin/infinity_emb] [--engines torch,optimum] [--onnx-folder DIR]
-        [--out results.json]
+        [--ray-replicas 1,2] [--out results.json]
 
 infinity-emb pins transformers 4.x: install it in a virtual environment of its own
 (docs/serving.md). Every level is bounded: --requests each (at least 4 x the concurrency), and
@@ -183,8 +183,13 @@ def servers(args, source: Path) -> list[tuple[str, list[str], str, dict, str | N
     in order. infinity's optimum engine runs in the ONNX folder with --model-id . (infinity-emb
     0.0.78 names the ONNX file by the path it found it at, which optimum 2.x matches against bare
     file names: an absolute path is never found), and is told to pool by the mean."""
-    found = [("tvmbert", [sys.executable, "-m", "tvmbert", "serve", str(Path(args.package).resolve()), "--port", "{port}"],
-              "/v1/embeddings", {}, None)]
+    ours = [sys.executable, "-m", "tvmbert", "serve", str(Path(args.package).resolve()), "--port", "{port}"]
+    found = [("tvmbert", ours, "/v1/embeddings", {}, None)]
+    for replicas in [int(n) for n in args.ray_replicas.split(",")] if args.ray_replicas else ():
+        # Each on a local Ray cluster of its own, its replicas sharing this machine's cores.
+        cpus = max(1, (os.cpu_count() or 1) // replicas)
+        found.append((f"tvmbert-ray-{replicas}", [*ours, "--ray", "--replicas", str(replicas), "--replica-cpus", str(cpus)],
+                      "/v1/embeddings", {}, None))
     quiet = {"INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
     for engine in args.engines.split(",") if args.infinity else ():
         if engine == "optimum" and not args.onnx_folder:
@@ -207,6 +212,7 @@ def main() -> None:
     parser.add_argument("--infinity", help="infinity_emb's command (its own virtual environment)")
     parser.add_argument("--engines", default="torch,optimum", help="infinity's engines to measure")
     parser.add_argument("--onnx-folder", help="the model folder with an ONNX export, for infinity's optimum engine")
+    parser.add_argument("--ray-replicas", help="also `tvmbert serve --ray` with each of these replica counts, e.g. 1,2")
     parser.add_argument("--out", help="write the results here as JSON too")
     args = parser.parse_args()
 

@@ -99,7 +99,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """A test marked for hardware this CPU lacks is skipped with the reason, not run: code built
-    for instructions the host lacks would kill the process (SIGILL)."""
+    for instructions the host lacks would kill the process (SIGILL). Tests marked slow go first,
+    in their order: with xdist's work stealing (`make test`), the run then ends on short tests on
+    both workers, not on one worker finishing a long one alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     lacking = {
         "simd": None if HOST_LANES else "this CPU has neither AVX-512 nor AVX2 with FMA",
         "amx": None if HOST_AMX else "this CPU has no AMX-BF16 (or the kernel does not grant it): --dtype bfloat16 is refused here",

@@ -13,6 +13,7 @@ from tvmbert.stages.bench.timing import _ratios, measure
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
 
 
+@pytest.mark.slow
 def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path):
     outcome = tvmbert("bench", "bert-tiny", "--seq-len", "8,16", "--padding", "0,0.5", "--engines",
                       "tvm,torch-eager,torch-sdpa,onnxruntime", *FAST, "--csv", str(tmp_path / "b.csv"),

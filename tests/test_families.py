@@ -200,6 +200,7 @@ def _without(folder: str, copy: Path, prefix: str) -> str:
     return str(copy)
 
 
+@pytest.mark.slow
 def test_a_head_without_its_weights_is_refused_and_drawn_at_random_only_when_asked(tvmbert, saved, tmp_path):
     headless = _without(saved["BertForSequenceClassification"], tmp_path / "headless", "classifier.")
     for stage in ("build", "verify"):

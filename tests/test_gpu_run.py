@@ -51,6 +51,7 @@ def compiled_kernels(library: Path) -> bool:
 
 
 @pytest.mark.skipif(CUDA_PRESENT, reason="the dry run is for machines without a CUDA device")
+@pytest.mark.slow
 def test_a_verify_step_compiles_its_kernels_here_and_a_bench_step_says_there_is_no_cuda_device(tmp_path):
     """The steps start here as on the GPU: a build compiles its kernels with nvcc (TVM's CUDA
     runtime loaded against a stub driver), and a step that needs the device says so in one line."""

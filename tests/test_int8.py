@@ -322,6 +322,7 @@ def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert,
     assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddubsw"] == 0
 
 
+@pytest.mark.slow
 def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert, workdir):
     """Compiled only (the kernel's numerics: test_amx_int8_kernel_sums_exactly_what_numpy_sums, on
     AMX hosts). Every weight matmul fits AMX's tiles, its rows quantized into whole row tiles,

@@ -85,6 +85,7 @@ def test_roberta_positions_count_the_non_pad_tokens_as_transformers_does():
     assert packed["token_slot"][:8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
+@pytest.mark.slow
 def test_a_packed_export_serves_mixed_batches_without_torch(workdir, tmp_path):
     """Buckets 1x16, 4x16 and 4x16 packed to 16 and 32 tokens; batches of mixed lengths (and a
     row masked whole, which only a padded bucket serves) through tvmbert.load where torch

@@ -166,6 +166,7 @@ def test_garbage_line_is_skipped_with_a_warning_and_kept(tvmbert, tuned, tmp_pat
     assert len(text.splitlines()) > line
 
 
+@pytest.mark.slow
 def test_kill_9_loses_at_most_the_batch_in_flight(tmp_path, workdir):
     log_dir = tmp_path / "logs"
     process, command, _ = tune_in_background(log_dir, workdir, trials=32, records=16, stdout=subprocess.DEVNULL,
@@ -304,6 +305,7 @@ def rpc_cluster():
             os.killpg(process.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_remote_measurement_through_a_loopback_tracker(tvmbert, rpc_cluster, tmp_path):
     unknown = tvmbert("tune", "bert-tiny", "--trials", "8", "--rpc-tracker", rpc_cluster, "--rpc-key", "nope",
                       "--log-dir", str(tmp_path))

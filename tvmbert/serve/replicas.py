@@ -83,11 +83,12 @@ def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: st
     for name, value in RAY_ENV.items():
         os.environ.setdefault(name, value)
     try:
-        local_only = address is None and host in ("127.0.0.1", "localhost")  # the cluster's own ports on loopback too
+        address = address or os.environ.get("RAY_ADDRESS") or "local"  # local: a cluster of its own, never another's
+        local_only = address == "local" and host in ("127.0.0.1", "localhost")  # the cluster's own ports on loopback too
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  **({"_node_ip_address": "127.0.0.1"} if local_only else {}))
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        raise InputError(f"cannot reach the Ray cluster{f' at {address}' if address else ''}: {exc}") from None
+        raise InputError(f"cannot reach the Ray cluster at {address}: {exc}") from None
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
