@@ -10,7 +10,8 @@ timing, each server's vectors for the same texts are compared with tvmbert's (co
 
     python benchmarks/serve_load.py PACKAGE [--concurrency 1,8,32,128] [--requests 200]
         [--infinity /tmp/infvenv/bin/infinity_emb] [--engines torch,optimum] [--onnx-folder DIR]
-        [--ray-replicas 1,2] [--out results.json]
+        [--ray-replicas 1,2] [--out results.json] [--plot results.png]
+    python benchmarks/serve_load.py results.json --from-json --plot results.png
 
 infinity-emb pins transformers 4.x: install it in a virtual environment of its own
 (docs/serving.md). Every level is bounded: --requests each (at least 4 x the concurrency), and
@@ -202,6 +203,33 @@ def servers(args, source: Path) -> list[tuple[str, list[str], str, dict, str | N
     return found
 
 
+def plot(results: dict, path: str) -> None:
+    """Throughput against p99 per server, a point per concurrency (labelled): up and to the left
+    is better. Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, server in results["servers"].items():
+        levels = server["levels"]
+        axes.plot([lv["per_s"] for lv in levels], [lv["p99_ms"] for lv in levels], marker="o", label=name)
+        for lv in levels:
+            axes.annotate(f"c={lv['concurrency']}", (lv["per_s"], lv["p99_ms"]), textcoords="offset points", xytext=(4, 4),
+                          fontsize=7)
+    axes.set_yscale("log")
+    axes.set_xlabel("requests / s")
+    axes.set_ylabel("p99 latency, ms (log)")
+    axes.set_title(f"{Path(results['command'].split()[1]).name}: {results['cpu']}", fontsize=9)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    temporary = Path(path).with_suffix(".tmp.png")
+    figure.savefig(temporary, dpi=120)
+    temporary.replace(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("package")
@@ -214,7 +242,12 @@ def main() -> None:
     parser.add_argument("--onnx-folder", help="the model folder with an ONNX export, for infinity's optimum engine")
     parser.add_argument("--ray-replicas", help="also `tvmbert serve --ray` with each of these replica counts, e.g. 1,2")
     parser.add_argument("--out", help="write the results here as JSON too")
+    parser.add_argument("--plot", help="draw throughput against p99 into this PNG")
+    parser.add_argument("--from-json", action="store_true", help="PACKAGE is an earlier run's --out: only draw --plot")
     args = parser.parse_args()
+    if args.from_json:
+        plot(json.loads(Path(args.package).read_text()), args.plot or "serve_load.png")
+        return
 
     from tokenizers import Tokenizer
 
@@ -274,6 +307,8 @@ def main() -> None:
         temporary = Path(args.out).with_suffix(".tmp")
         temporary.write_text(text)
         temporary.replace(args.out)
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
