@@ -69,6 +69,30 @@ def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_sh
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("seq, mask_shape", [(512, "rows"), (1024, "keys")])
+def test_long_sequences_run_a_block_of_query_rows_at_a_time_and_match_float64(seq, mask_shape):
+    """Past 128 tokens a head's scores are done a block of query rows at a time (what stays in
+    L2); each block reads its own rows of the mask and writes its own rows of the output."""
+    import tvm
+
+    batch, heads, dim = 2, 2, 64
+    assert attention.query_block(seq) < seq
+    rng = np.random.default_rng(1)
+    columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    shape = (batch, 1, seq, seq) if mask_shape == "rows" else (batch, 1, 1, seq)
+    mask = np.where(rng.random(shape) < 0.3, MASKED, 0).astype(np.float32)
+    mask[..., 0] = 0
+    scale = 1 / np.sqrt(dim)
+    library = tvm.compile(tvm.IRModule({"main": attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, shape, scale)}),
+                          target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
+    q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
+    np.testing.assert_allclose(y.numpy(), _reference(q, k, v, mask, scale).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
     """The register tiles' accumulators and the softmax's partials on the stack, in registers (a

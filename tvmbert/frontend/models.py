@@ -208,7 +208,9 @@ def sizes(source: ModelSource) -> ModelSizes:
     with torch.device("meta"):
         model = model_class(source)(config)
     intermediate = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None) or 4 * config.hidden_size
-    return ModelSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, intermediate, config.num_attention_heads)
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layers  # DistilBERT's config names it n_layers
+    return ModelSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, intermediate, config.num_attention_heads,
+                      layers)
 
 
 def model_class(source: ModelSource):

@@ -36,6 +36,10 @@ from tvmbert.kernels.scalar_math import exp_float32
 
 KERNEL_ATTR = "tvmbert.attention_f32"  # PrimFunc attribute marking the kernel (build counts them)
 ROWS = 4  # query rows per register tile
+# A block of query rows' scores is at most this many bytes: beside the head's K^T and V (64 KiB
+# each per 256 tokens at bert-base's head size) it stays in a core's L2 while the block's
+# softmax and P V reread it, where a whole head's scores (1 MiB at 512 tokens) would not.
+SCORES_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,12 @@ def vectors_per_tile(count: int, lanes: int) -> int:
     return next(v for v in range(most, 0, -1) if count % v == 0)
 
 
+def query_block(seq: int) -> int:
+    """Query rows done at a time: the most, dividing ``seq`` in whole register tiles, whose
+    scores stay within SCORES_BYTES (one tile's at least)."""
+    return max([rows for rows in range(ROWS, seq + 1, ROWS) if seq % rows == 0 and rows * seq * 4 <= SCORES_BYTES] or [ROWS])
+
+
 def fits(seq: int, dim: int, lanes: int) -> bool:
     return lanes > 0 and seq % lanes == 0 and dim % lanes == 0
 
@@ -134,6 +144,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     score_width = vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     width = max(score_width, out_width)
+    block_rows = query_block(seq)  # scores, softmax and P V a block of query rows at a time
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
     row, at, mask_at = grid.row, grid.at, grid.mask_at
 
@@ -147,6 +158,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     row_lines = -(-dim // line_floats)
     score_tiles = (seq // ROWS) * (seq // score_width)
     per_tile = -(-seq * row_lines // score_tiles)
+
+    def prefetched_line(b0, t, c, n):
+        """The n-th line the score tile (b0, t, c) prefetches: each tile its share, in order."""
+        return ((b0 * (block_rows // ROWS) + t) * (seq // score_width) + c) * per_tile + n
 
     def prefetch_next_head(operand, offset, rows, bh, line):
         line = T.min(line, seq * row_lines - 1)
@@ -176,31 +191,32 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 acc[i, x] = acc[i, x] + grid.head_row(q, rows, 0, bh, first + i, d0, e) \
                     * kt[d0 * lanes + e, c * score_width + x]
 
+    # ``local`` is a row of the block's scores, ``first`` the same row of the sequence.
     @T.macro
-    def score_store(mask, scores, acc, bh, first, c):
+    def score_store(mask, scores, acc, bh, local, first, c):
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
                 if masked:
-                    scores[first + i, c * score_width + x] = acc[i, x] * scale_by + mask_at(
+                    scores[local + i, c * score_width + x] = acc[i, x] * scale_by + mask_at(
                         mask, bh // heads, bh % heads, first + i, c * score_width + x)
                 else:
-                    scores[first + i, c * score_width + x] = acc[i, x] * scale_by
+                    scores[local + i, c * score_width + x] = acc[i, x] * scale_by
 
     @T.macro
-    def output_fma(scores, v, vh, acc, bh, first, c, j):
+    def output_fma(scores, v, vh, acc, bh, local, c, j):
         for i in T.unroll(half):
             for x in T.vectorized(out_width):
                 if v_in_place:
-                    acc[i, x] = acc[i, x] + scores[first + i, j] * v[(v_offset + bh % heads * dim) // panel, bh // heads * seq + j,
+                    acc[i, x] = acc[i, x] + scores[local + i, j] * v[(v_offset + bh % heads * dim) // panel, bh // heads * seq + j,
                                                                      c * out_width + x]
                 else:
-                    acc[i, x] = acc[i, x] + scores[first + i, j] * vh[j, c * out_width + x]
+                    acc[i, x] = acc[i, x] + scores[local + i, j] * vh[j, c * out_width + x]
 
     @T.macro
-    def output_store(y, totals, acc, bh, first, c):
+    def output_store(y, totals, acc, bh, local, first, c):
         for i in T.unroll(half):
             for x in T.vectorized(out_width):
-                y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[first + i]
+                y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[local + i]
 
     @T.prim_func(s_tir=True)
     def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
@@ -214,8 +230,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 for bh in T.parallel(batch * heads):
                     kt = T.alloc_buffer((dim, seq), "float32")
                     vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
-                    scores = T.alloc_buffer((seq, seq), "float32")
-                    totals = T.alloc_buffer((seq,), "float32")
+                    scores = T.alloc_buffer((block_rows, seq), "float32")
+                    totals = T.alloc_buffer((block_rows,), "float32")
                     acc_top = T.alloc_buffer((half, width), "float32")
                     acc_bottom = T.alloc_buffer((half, width), "float32")
                     partial = T.alloc_buffer((lanes,), "float32")
@@ -235,45 +251,46 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                             for c in T.unroll(lanes):
                                 for x in T.vectorized(lanes):
                                     kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
-                    # scores = Q K^T * scale + mask, a register tile at a time
-                    for t in range(seq // ROWS):
-                        for c in range(seq // score_width):
-                            zero(acc_top, score_width)
-                            zero(acc_bottom, score_width)
-                            for n in T.unroll(per_tile):
-                                T.evaluate(prefetch_next_head(q, q_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
-                                T.evaluate(prefetch_next_head(k, k_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
-                                T.evaluate(prefetch_next_head(v, v_offset, rows, bh, (t * (seq // score_width) + c) * per_tile + n))
-                            for d0, e in T.grid(dim // lanes, lanes):
-                                score_fma(q, kt, rows, acc_top, bh, t * ROWS, c, d0, e)
-                                score_fma(q, kt, rows, acc_bottom, bh, t * ROWS + half, c, d0, e)
-                            score_store(mask, scores, acc_top, bh, t * ROWS, c)
-                            score_store(mask, scores, acc_bottom, bh, t * ROWS + half, c)
-                    # softmax's max, exp and sum over each row
-                    for i in range(seq):
-                        for x in T.vectorized(lanes):
-                            partial[x] = scores[i, x]
-                        for c in range(1, seq // lanes):
+                    for b0 in range(seq // block_rows):  # a block of query rows: its scores stay in cache
+                        # scores = Q K^T * scale + mask, a register tile at a time
+                        for t in range(block_rows // ROWS):
+                            for c in range(seq // score_width):
+                                zero(acc_top, score_width)
+                                zero(acc_bottom, score_width)
+                                for n in T.unroll(per_tile):
+                                    T.evaluate(prefetch_next_head(q, q_offset, rows, bh, prefetched_line(b0, t, c, n)))
+                                    T.evaluate(prefetch_next_head(k, k_offset, rows, bh, prefetched_line(b0, t, c, n)))
+                                    T.evaluate(prefetch_next_head(v, v_offset, rows, bh, prefetched_line(b0, t, c, n)))
+                                for d0, e in T.grid(dim // lanes, lanes):
+                                    score_fma(q, kt, rows, acc_top, bh, b0 * block_rows + t * ROWS, c, d0, e)
+                                    score_fma(q, kt, rows, acc_bottom, bh, b0 * block_rows + t * ROWS + half, c, d0, e)
+                                score_store(mask, scores, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
+                                score_store(mask, scores, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
+                        # softmax's max, exp and sum over each row
+                        for i in range(block_rows):
                             for x in T.vectorized(lanes):
-                                partial[x] = T.max(partial[x], scores[i, c * lanes + x])
-                        row_max[0] = across_lanes(partial, T.max)
-                        for x in T.vectorized(lanes):
-                            partial[x] = T.float32(0)
-                        for c in range(seq // lanes):
+                                partial[x] = scores[i, x]
+                            for c in range(1, seq // lanes):
+                                for x in T.vectorized(lanes):
+                                    partial[x] = T.max(partial[x], scores[i, c * lanes + x])
+                            row_max[0] = across_lanes(partial, T.max)
                             for x in T.vectorized(lanes):
-                                scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
-                                partial[x] = partial[x] + scores[i, c * lanes + x]
-                        totals[i] = across_lanes(partial, lambda a, b: a + b)
-                    # y = P V / sum
-                    for t in range(seq // ROWS):
-                        for c in range(dim // out_width):
-                            zero(acc_top, out_width)
-                            zero(acc_bottom, out_width)
-                            for j in range(seq):
-                                output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j)
-                                output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j)
-                            output_store(y, totals, acc_top, bh, t * ROWS, c)
-                            output_store(y, totals, acc_bottom, bh, t * ROWS + half, c)
+                                partial[x] = T.float32(0)
+                            for c in range(seq // lanes):
+                                for x in T.vectorized(lanes):
+                                    scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
+                                    partial[x] = partial[x] + scores[i, c * lanes + x]
+                            totals[i] = across_lanes(partial, lambda a, b: a + b)
+                        # y = P V / sum
+                        for t in range(block_rows // ROWS):
+                            for c in range(dim // out_width):
+                                zero(acc_top, out_width)
+                                zero(acc_bottom, out_width)
+                                for j in range(seq):
+                                    output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j)
+                                    output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j)
+                                output_store(y, totals, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
+                                output_store(y, totals, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
 
     assert isinstance(attention, tvm.tirx.PrimFunc)
     return attention

@@ -11,6 +11,7 @@ from tvmbert.core.config import torch_dtype
 from tvmbert.core.errors import InputError, ToolchainError
 from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
+from tvmbert.frontend.models import sizes
 from tvmbert.stages.bench.engines import (
     IN_PEER_DTYPE,
     QUANTIZED_PEERS,
@@ -85,10 +86,13 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
     job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
     jitter = measure(timed, options.warmup, options.repeat, options.min_time_s)
+    gflop = sizes(job.source).flops(shape.batch, shape.seq_len) / 1e9  # the whole shape's, padding included: what each engine runs
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
+        report[engine.name]["gflop_per_s"] = round(gflop / (report[engine.name]["median_ms"] / 1000), 1)
     ordered = {name: report[name] for name in engine_names if name in report}
-    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "engines": ordered, **_ratios(ordered, job.config.dtype),
+    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "gflop": round(gflop, 2), "engines": ordered,
+            **_ratios(ordered, job.config.dtype),
             "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
 
 

@@ -79,4 +79,12 @@ def to_markdown(report: dict, command: str) -> str:
                          else "skipped")
         ratio = f"{result['ratio']:.2f} vs {result['best_other']}" if result["ratio"] else "-"
         lines.append(f"| {result['batch']} x {result['seq_len']} | {result['padding']:g} | " + " | ".join(cells) + f" | {ratio} |")
+    if all("gflop" in result for result in report["results"]):
+        lines += ["", "GFLOP/s: each shape's encoder FLOPs (a multiply-add is two) over each median; the floor of a "
+                  "shape is its GFLOP at this machine's FMA peak.", "",
+                  "| batch x seq | GFLOP | " + " | ".join(names) + " |", "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+        for result in report["results"]:
+            rates = [f"{result['engines'][name]['gflop_per_s']:.1f}" if "gflop_per_s" in result["engines"].get(name, {}) else "-"
+                     for name in names]
+            lines.append(f"| {result['batch']} x {result['seq_len']} | {result['gflop']:.2f} | " + " | ".join(rates) + " |")
     return "\n".join(lines) + "\n"
