@@ -37,7 +37,7 @@ run: install
 
 # Regenerates the measured tables that docs/benchmarks.md shows (bert-base, this machine).
 benchmarks: install
-	$(BIN)/tvmbert bench bert-base --seq-len 14,128 --repeat 20 --min-time 5 --markdown docs/bench-bert-base-cpu.md \
+	$(BIN)/tvmbert bench bert-base --seq-len 14,128,384,512 --repeat 20 --min-time 5 --markdown docs/bench-bert-base-cpu.md \
 		--plot docs/bench-bert-base-cpu.png --json > docs/bench-bert-base-cpu.json
 
 clean:
