@@ -390,6 +390,17 @@ def test_a_port_in_use_or_a_budget_below_one_text_is_one_error_line(package):
     small = subprocess.run([sys.executable, "-m", "tvmbert", "serve", str(package), "--max-batch-tokens", "16"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert small.returncode == 2 and "--max-batch-tokens 16 is below the package's longest input (32 tokens)" in small.stderr
+    if importlib.util.find_spec("ray") is not None:
+        unnamed = subprocess.run([sys.executable, "-m", "tvmbert", "serve", str(package), "--ray", "--port", "0"], cwd=REPO,
+                                 capture_output=True, text=True, timeout=120)
+        assert unnamed.returncode == 2 and unnamed.stderr.strip().splitlines() == [
+            "error: --ray needs a --port of its own: Ray's proxy does not say which one the OS picked"]
+        with socket.create_server(("127.0.0.1", 0)) as taken:  # said before any Ray process starts
+            port = taken.getsockname()[1]
+            busy = subprocess.run([sys.executable, "-m", "tvmbert", "serve", str(package), "--ray", "--port", str(port)],
+                                  cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert busy.returncode == 2 and busy.stderr.strip().splitlines() == [
+            f"error: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
 @pytest.mark.slow

@@ -72,14 +72,16 @@ def deployment(package: str, limits: Limits, pooling: str | None, served_name: s
 def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: str | None, served_name: str | None,
                  replicas: int, cpus: float, address: str | None = None, ready=None) -> None:
     """Serves until SIGINT or SIGTERM, then deletes the application (its replicas answer what
-    they hold first) and leaves the cluster (a local one stops)."""
+    they hold first) and leaves the cluster (a local one stops, with its Serve)."""
     import ray
 
     from tvmbert.deploy.package import load
+    from tvmbert.serve.run import listen
 
     if port == 0:
         raise InputError("--ray needs a --port of its own: Ray's proxy does not say which one the OS picked")
     Service(load(package), limits, pooling, served_name)  # what a replica would refuse, said here in one line
+    listen(host, port).close()  # a port taken, said here: Ray's proxy would retry it forever
     for name, value in RAY_ENV.items():
         os.environ.setdefault(name, value)
     try:
@@ -102,7 +104,8 @@ def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: st
             ready(host, port)
         stop.wait()
         serve.delete(APP_NAME)
-        serve.shutdown()
+        if address == "local":  # a cluster of others' keeps its Serve for their applications
+            serve.shutdown()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
