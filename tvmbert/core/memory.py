@@ -41,7 +41,8 @@ class ModelSizes:
         """One call's floating-point operations (a multiply-add is two) in the encoder's layers:
         per token the Q, K, V and output projections (4 H^2), the FFN (2 H I), and attention's
         scores and P V (2 S H). What any engine must compute, however; embeddings, norms and
-        heads add under 1%."""
+        most heads add under 1%, a fill-mask head's vocabulary projection (2 H V a token) about
+        a quarter more at bert-base's sizes, which this leaves out."""
         hidden = self.hidden
         return 2.0 * self.layers * batch * seq * (4 * hidden * hidden + 2 * hidden * self.intermediate + 2 * seq * hidden)
 

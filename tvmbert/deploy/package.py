@@ -34,6 +34,7 @@ MANIFEST_FILE = "manifest.json"
 MANIFEST_CHECKSUM_FILE = "manifest.sha256"
 FORMAT = 1  # bump when the package layout changes meaning
 PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would run them as padded ones
+WINDOWING_KEPT = 4  # tokenizers kept for question answering's windows, one per stride
 VARIANTS_FORMAT = 3  # a fleet package: a build per CPU, the loader picks one ("variants")
 FORMATS = (FORMAT, PACKED_FORMAT, VARIANTS_FORMAT)
 
@@ -226,6 +227,9 @@ class ExportedModel:
         with self._tokenizer_lock:
             if stride not in self._windowing:
                 from tokenizers import Tokenizer
+
+                if len(self._windowing) >= WINDOWING_KEPT:  # the oldest goes: a client may send any stride
+                    del self._windowing[next(iter(self._windowing))]
 
                 tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
                 tokenizer.enable_truncation(self.max_seq_len, stride=stride, strategy="only_second")

@@ -27,18 +27,21 @@ def _tag(label: str) -> tuple[str, str]:
     return "I", label
 
 
-def token_entities(text: str, encoding, logits: np.ndarray, labels: list[str], aggregation: str) -> list[dict]:
+def token_entities(text: str, encoding, logits: np.ndarray, labels: list[str], aggregation: str, words, unknown_id) -> list[dict]:
     """One text's entities. ``none``: every real token not labelled O, with its label, score,
-    index, token and character span. ``simple``: consecutive tokens of one entity type (a B- tag
-    starts a new one) grouped, their mean score, the text they span."""
+    index, token (the text itself where the tokenizer had none for it) and character span.
+    ``simple``: consecutive tokens of one entity type (a B- tag starts a new one) grouped, their
+    mean score, their tokens joined by ``words`` (the tokenizer's decoder, as the pipeline joins
+    them)."""
     scores = softmax(logits)
     tokens = []
     for index, (special, (start, end)) in enumerate(zip(encoding.special_tokens_mask, encoding.offsets)):
         if special:
             continue
         best = int(np.argmax(scores[index]))
+        word = text[start:end] if encoding.ids[index] == unknown_id else encoding.tokens[index]
         tokens.append({"entity": labels[best], "score": float(scores[index, best]), "index": index,
-                       "word": encoding.tokens[index], "start": int(start), "end": int(end)})
+                       "word": word, "start": int(start), "end": int(end)})
     if aggregation == "none":
         return [token for token in tokens if token["entity"] not in IGNORED_LABELS]
     groups: list[list[dict]] = []
@@ -55,7 +58,7 @@ def token_entities(text: str, encoding, logits: np.ndarray, labels: list[str], a
             continue
         start, end = group[0]["start"], group[-1]["end"]
         entities.append({"entity_group": name, "score": float(np.mean([t["score"] for t in group])),
-                         "word": text[start:end], "start": start, "end": end})
+                         "word": words([t["word"] for t in group]), "start": start, "end": end})
     return entities
 
 
@@ -71,8 +74,10 @@ def _characters(encoding, first: int, last: int, align_to_words: bool) -> tuple[
     ``align_to_words`` (an answer starting at "##wee" starts at "tweety")."""
     if align_to_words:
         first_word, last_word = encoding.token_to_word(first), encoding.token_to_word(last)
-        if first_word is not None and last_word is not None:
-            return encoding.word_to_chars(first_word, 1)[0], encoding.word_to_chars(last_word, 1)[1]
+        starts = encoding.word_to_chars(first_word, 1) if first_word is not None else None
+        ends = encoding.word_to_chars(last_word, 1) if last_word is not None else None
+        if starts is not None and ends is not None:
+            return starts[0], ends[1]
     return encoding.offsets[first][0], encoding.offsets[last][1]
 
 

@@ -11,8 +11,8 @@ TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "stri
 ERROR = {"type": "object", "required": ["error", "type"], "properties": {"error": {"type": "string"}, "type": {"type": "string"}}}
 QUESTION = {"type": "object", "required": ["question", "context"],
             "properties": {"question": {"type": "string"}, "context": {"type": "string"}}}
-ANSWER = {"type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "number"},
-                                           "start": {"type": "integer"}, "end": {"type": "integer"}}}
+ANSWER = {"type": "object", "nullable": True, "properties": {"answer": {"type": "string"}, "score": {"type": "number"},
+                                                              "start": {"type": "integer"}, "end": {"type": "integer"}}}
 VECTORS = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
 
 # (method, path, summary, request body schema or None, answer schema)

@@ -61,10 +61,12 @@ class Replica:
 
 def deployment(package: str, limits: Limits, pooling: str | None, served_name: str | None, replicas: int, cpus: float):
     """The deployment bound to its arguments: ``replicas`` copies, each given ``cpus`` of Ray's
-    CPUs and as many TVM threads (whole ones, at least one), at most the limit's requests each."""
+    CPUs and as many TVM threads (whole ones, at least one), at most the limit's requests each
+    and as many waiting at Ray's proxy (beyond, it answers 503; its default queue has no end)."""
     threads = str(max(1, int(cpus)))
     return serve.deployment(Replica, name="tvmbert", num_replicas=replicas,
-                            max_ongoing_requests=limits.max_concurrent_requests, graceful_shutdown_timeout_s=SHUTDOWN_S,
+                            max_ongoing_requests=limits.max_concurrent_requests,
+                            max_queued_requests=limits.max_concurrent_requests, graceful_shutdown_timeout_s=SHUTDOWN_S,
                             ray_actor_options={"num_cpus": cpus, "runtime_env": {"env_vars": {"TVM_NUM_THREADS": threads}}},
                             ).bind(os.path.abspath(package), limits, pooling, served_name)
 

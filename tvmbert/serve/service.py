@@ -105,10 +105,8 @@ class Service:
         truncate = requests.flag(payload, "truncate", False)
         texts = requests.texts(payload, "inputs", self.limits.max_inputs_per_request)
         outputs, _ = await self.outputs(texts, truncate)
-        logits = np.asarray(outputs["logits"], dtype=np.float64)
-        scores = np.exp(logits - logits.max(axis=1, keepdims=True))
-        scores /= scores.sum(axis=1, keepdims=True)
-        names = self._label_names(logits.shape[1])
+        scores = heads.softmax(outputs["logits"])
+        names = self._label_names(scores.shape[1])
         return [[{"label": names[i], "score": float(row[i])} for i in np.argsort(-row, kind="stable")] for row in scores]
 
     async def classify_tokens(self, payload: dict) -> list:
@@ -123,7 +121,11 @@ class Service:
         encodings = await self._tokenized(texts, truncate)
         outputs = await self.batcher.submit(encodings)
         names = self._label_names(outputs["logits"][0].shape[-1])
-        return [heads.token_entities(text, encoding, logits, names, aggregation)
+        tokenizer = self.model.tokenizer()
+        unknown = getattr(tokenizer.model, "unk_token", None)
+        unknown_id = tokenizer.token_to_id(unknown) if unknown else None
+        words = tokenizer.decoder.decode if tokenizer.decoder is not None else " ".join
+        return [heads.token_entities(text, encoding, logits, names, aggregation, words, unknown_id)
                 for text, encoding, logits in zip(texts, encodings, outputs["logits"])]
 
     async def answer(self, payload: dict):

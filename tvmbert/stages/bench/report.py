@@ -11,7 +11,7 @@ from tvmbert.stages.bench.engines import ENGINES
 def to_csv(report: dict) -> str:
     buffer = io.StringIO()
     columns = ["model", "dtype", "batch", "seq_len", "padding", "engine", "median_ms", "p90_ms", "p99_ms", "mean_ms",
-               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "setup_s", "memory_mb", "skipped"]
+               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "gflop_per_s", "setup_s", "memory_mb", "skipped"]
     writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
     for result in report["results"]:
