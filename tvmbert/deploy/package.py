@@ -196,10 +196,7 @@ class ExportedModel:
         if not isinstance(texts, list) or not texts or not all(_is_text(t) for t in texts):
             raise InputError("encode takes a string, or a non-empty list of strings or of (text, pair) tuples of strings")
         for index, text in enumerate(texts):
-            try:
-                "".join(text).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InputError(f"text {index} holds a lone surrogate at {exc.start}: not Unicode text") from None
+            _check_unicode(f"text {index}", "".join(text))
         encodings = (self._truncating_tokenizer() if truncate else self.tokenizer()).encode_batch(texts)
         lengths = [len(e.ids) for e in encodings]
         if max(lengths) > self.max_seq_len:
@@ -213,11 +210,8 @@ class ExportedModel:
         question whole in every one, the context cut into windows that overlap by ``stride``
         tokens (at most half of what a window holds of it), as transformers' question-answering
         pipeline cuts a long context (its ``doc_stride``)."""
-        for name, text in (("question", question), ("context", context)):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InputError(f"the {name} holds a lone surrogate at {exc.start}: not Unicode text") from None
+        _check_unicode("the question", question)
+        _check_unicode("the context", context)
         question_tokens = len(self.tokenizer().encode(question, add_special_tokens=False).ids)
         room = self.max_seq_len - question_tokens - len(self.tokenizer().encode("", "").ids)  # what a window has for context
         if room < 2:
@@ -226,15 +220,10 @@ class ExportedModel:
         stride = max(0, min(stride, room // 2))
         with self._tokenizer_lock:
             if stride not in self._windowing:
-                from tokenizers import Tokenizer
-
                 if len(self._windowing) >= WINDOWING_KEPT:  # the oldest goes: a client may send any stride
                     del self._windowing[next(iter(self._windowing))]
-
-                tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
-                tokenizer.enable_truncation(self.max_seq_len, stride=stride, strategy="only_second")
-                tokenizer.no_padding()
-                self._windowing[stride] = tokenizer
+                self._windowing[stride] = self._loaded_tokenizer(max_length=self.max_seq_len, stride=stride,
+                                                                 strategy="only_second")
             tokenizer = self._windowing[stride]
         first = tokenizer.encode(question, context)
         return [first, *first.overflowing]
@@ -403,13 +392,10 @@ class ExportedModel:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 try:
-                    from tokenizers import Tokenizer
+                    import tokenizers  # noqa: F401 - said here, once: the other tokenizers load after this one
                 except ImportError:
                     raise InputError("encoding text needs the tokenizers package: pip install tokenizers") from None
-                tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
-                tokenizer.no_truncation()
-                tokenizer.no_padding()
-                self._tokenizer = tokenizer
+                self._tokenizer = self._loaded_tokenizer()
         return self._tokenizer
 
     def _truncating_tokenizer(self):
@@ -417,13 +403,22 @@ class ExportedModel:
         self.tokenizer()  # the same checks first (it takes the lock itself)
         with self._tokenizer_lock:
             if self._truncating is None:
-                from tokenizers import Tokenizer
-
-                tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
-                tokenizer.enable_truncation(self.max_seq_len)
-                tokenizer.no_padding()
-                self._truncating = tokenizer
+                self._truncating = self._loaded_tokenizer(max_length=self.max_seq_len)
         return self._truncating
+
+    def _loaded_tokenizer(self, **truncation):
+        """A tokenizer of its own from the package's file (each is configured once, then only
+        read: sharing one and reconfiguring it per call would race), never padding, truncating
+        as ``truncation`` says (``tokenizers``' ``enable_truncation`` arguments) or not at all."""
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(self.path / self.manifest["tokenizer"]))
+        tokenizer.no_padding()
+        if truncation:
+            tokenizer.enable_truncation(**truncation)
+        else:
+            tokenizer.no_truncation()
+        return tokenizer
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{b.batch}x{b.seq_len}" + (f"/{b.tokens}" if b.tokens else "") for b in self.buckets)
@@ -510,6 +505,13 @@ def _not_inputs(value) -> str | None:
     if isinstance(value, (bytes, bytearray)) or (isinstance(value, list) and any(isinstance(v, (bytes, bytearray)) for v in value)):
         return "bytes: decode them to str first"
     return None
+
+
+def _check_unicode(what: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{what} holds a lone surrogate at {exc.start}: not Unicode text") from None
 
 
 def _is_text(value) -> bool:

@@ -34,7 +34,10 @@ class Service:
         if limits.max_batch_tokens < model.max_seq_len:
             raise InputError(f"--max-batch-tokens {limits.max_batch_tokens} is below the package's longest input "
                              f"({model.max_seq_len} tokens): one such text could never run")
-        model.tokenizer()  # a package without one (or without the tokenizers package) is refused at start, not per request
+        tokenizer = model.tokenizer()  # a package without one (or without the tokenizers package) is refused at start, not per request
+        unknown = getattr(tokenizer.model, "unk_token", None)
+        self._unknown_id = tokenizer.token_to_id(unknown) if unknown else None  # entities say the text for it
+        self._join_tokens = tokenizer.decoder.decode if tokenizer.decoder is not None else " ".join  # an entity's word
         self.model, self.limits, self.metrics = model, limits, Metrics()
         packaged = model.manifest.get("pooling") or {}
         self.pooling = pooling or packaged.get("mode", "mean_tokens")
@@ -121,11 +124,7 @@ class Service:
         encodings = await self._tokenized(texts, truncate)
         outputs = await self.batcher.submit(encodings)
         names = self._label_names(outputs["logits"][0].shape[-1])
-        tokenizer = self.model.tokenizer()
-        unknown = getattr(tokenizer.model, "unk_token", None)
-        unknown_id = tokenizer.token_to_id(unknown) if unknown else None
-        words = tokenizer.decoder.decode if tokenizer.decoder is not None else " ".join
-        return [heads.token_entities(text, encoding, logits, names, aggregation, words, unknown_id)
+        return [heads.token_entities(text, encoding, logits, names, aggregation, self._join_tokens, self._unknown_id)
                 for text, encoding, logits in zip(texts, encodings, outputs["logits"])]
 
     async def answer(self, payload: dict):
@@ -153,7 +152,7 @@ class Service:
             rows = slice(first, first + len(window))
             best = heads.answers(context, window, outputs["start_logits"][rows], outputs["end_logits"][rows], top_k, max_answer_len,
                                  align_to_words)
-            found.append(best[0] if top_k == 1 and best else best if top_k > 1 else None)
+            found.append(best if top_k > 1 else best[0] if best else None)
             first += len(window)
         return found[0] if single else found
 
