@@ -14,7 +14,7 @@ FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
 
 
 @pytest.mark.slow
-def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path):
+def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path, workdir):
     outcome = tvmbert("bench", "bert-tiny", "--seq-len", "8,16", "--padding", "0,0.5", "--engines",
                       "tvm,torch-eager,torch-sdpa,onnxruntime", *FAST, "--csv", str(tmp_path / "b.csv"),
                       "--plot", str(tmp_path / "b.png"), "--json")
@@ -35,6 +35,8 @@ def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path):
     rows = list(csv.DictReader((tmp_path / "b.csv").open()))
     assert len(rows) == 16 and {row["engine"] for row in rows} == {"tvm", "torch-eager", "torch-sdpa", "onnxruntime"}
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    exported = {file.name for file in workdir.glob("bert-tiny/b1-s8-float32/*/onnx/*")}
+    assert "model.onnx" in exported and exported <= {"model.onnx", "model.onnx.data"}  # its weights' file named for it, no scratch left
 
 
 def test_openvino_is_an_engine_checked_and_timed_like_the_others_on_a_named_cpu(tvmbert, tmp_path):

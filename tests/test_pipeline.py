@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,22 @@ def test_convert_keeps_weights_apart_and_writes_readable_ir(tvmbert, workdir):
     folder = workdir / "bert-tiny" / "b1-s14-float32" / "convert"
     assert "def main(input_ids" in (folder / "module.py").read_text()
     assert (folder / "params.npz").stat().st_size > 4 * 30522 * 128  # the word embeddings at least
+
+
+def test_every_shape_of_a_model_links_one_pooled_copy_of_its_weights(tvmbert, tmp_path):
+    work = tmp_path / "work"
+    for seq_len in ("9", "11"):
+        assert tvmbert("convert", "bert-tiny", "--seq-len", seq_len, "--workdir", str(work)).code == 0
+    shapes = [work / "bert-tiny" / f"b1-s{n}-float32" / "convert" / "params.npz" for n in (9, 11)]
+    (pooled,) = (work / ".weights").glob("*.npz")
+    assert shapes[0].stat().st_ino == shapes[1].stat().st_ino == pooled.stat().st_ino and pooled.stat().st_nlink == 3
+    assert tvmbert("convert", "bert-tiny", "--seq-len", "9", "--force", "--workdir", str(work)).code == 0
+    assert list((work / ".weights").glob("*.npz")) == [pooled] and pooled.stat().st_nlink == 3  # the replaced one let go
+
+    shutil.rmtree(work / "bert-tiny")  # no artifact links the pooled copy now: the next write drops it
+    assert tvmbert("convert", "bert-tiny", "--seed", "1", "--workdir", str(work)).code == 0
+    (other,) = (work / ".weights").glob("*.npz")
+    assert other != pooled and other.stat().st_nlink == 2
 
 
 def test_optimize_reports_op_counts(tvmbert):

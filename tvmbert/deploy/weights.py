@@ -4,6 +4,10 @@ package read them."""
 
 from __future__ import annotations
 
+import os
+import threading
+from pathlib import Path
+
 import numpy as np
 
 PARAMS_FILE = "params.npz"  # convert's weights; build's, ready-made for the library
@@ -13,24 +17,59 @@ BFLOAT16_SUFFIX = "__bfloat16"  # npz has no bfloat16: such arrays are stored as
 SAME_AS = "__same_as__"
 
 
-def save_params(path, weights: dict[str, np.ndarray]) -> int:
+def save_params(path, weights: dict[str, np.ndarray], pool=None) -> int:
     """Ordered as the function's weight parameters (npz keeps the insertion order); each
-    distinct array once. Returns the bytes of weights stored."""
+    distinct array once. Returns the bytes of weights stored.
+
+    With ``pool`` (a folder), the file is a hard link to one copy there per content: every shape
+    of a model converts to the same weights and most builds lay them out alike, so a package's
+    buckets would otherwise hold the model's weights twice per bucket in the work directory."""
     import hashlib
 
     first_of: dict[tuple, str] = {}
     stored = {}
+    whole = hashlib.sha256()
     for name, array in weights.items():
         bits = array.view(np.uint16) if array.dtype.name == "bfloat16" else array
         content = (array.dtype.name, array.shape, hashlib.sha256(np.ascontiguousarray(bits).data).hexdigest())
+        whole.update(repr((name, content)).encode())
         if content in first_of:
             stored[f"{name}{SAME_AS}{first_of[content]}"] = np.zeros(0, np.uint8)
             continue
         first_of[content] = name
         stored[f"{name}{BFLOAT16_SUFFIX}" if array.dtype.name == "bfloat16" else name] = bits
+    nbytes = sum(array.nbytes for array in stored.values())
+    if pool is not None and _linked_from_pool(path, Path(pool) / f"{whole.hexdigest()[:32]}.npz"):
+        return nbytes
     with open(path, "wb") as handle:
         np.savez(handle, **stored)
-    return sum(array.nbytes for array in stored.values())
+    if pool is not None:
+        _add_to_pool(path, Path(pool) / f"{whole.hexdigest()[:32]}.npz")
+    return nbytes
+
+
+def _linked_from_pool(path: Path, shared: Path) -> bool:
+    try:
+        os.link(shared, path)
+        return True
+    except OSError:  # not pooled yet, or a file system without hard links
+        return False
+
+
+def _add_to_pool(path: Path, shared: Path) -> None:
+    """Links ``path`` into the pool (atomically: a link under a scratch name, then renamed), and
+    drops the pooled copies no artifact links any more. A pool that cannot be written costs only
+    the sharing."""
+    try:
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        scratch = shared.with_name(f".{shared.name}.{os.getpid()}.{threading.get_ident()}")
+        os.link(path, scratch)
+        scratch.replace(shared)
+        for pooled in shared.parent.glob("*.npz"):
+            if pooled.stat().st_nlink == 1:  # only the pool holds it: its artifacts were replaced or removed
+                pooled.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def load_params(path) -> dict[str, np.ndarray]:

@@ -60,7 +60,7 @@ def build(job: Job, force: bool = False) -> Artifact:
                 meta[f"{kernel.name}_instructions"] = kernel.instructions_in(compiled.executable)
     with stage.writing(meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
-        meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params)  # stage.json is written after this block
+        meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params, job.weights_pool)  # stage.json is written after this block
     _suggest(job, meta)
     _say_without_kernels(job)
     return stage.written(meta)

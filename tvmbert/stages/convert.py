@@ -39,5 +39,5 @@ def convert(job: Job, force: bool = False) -> Artifact:
             "packing": traced.meta.get("packing"), "random_weights": traced.meta.get("random_weights", [])}
     with stage.writing(meta) as tmp:
         save_module(module, tmp)
-        save_params(tmp / PARAMS_FILE, weights)
+        save_params(tmp / PARAMS_FILE, weights, job.weights_pool)
     return stage.written(meta)

@@ -99,6 +99,11 @@ class Job:
             return base / stage
         return base / self.target.key / stage
 
+    @property
+    def weights_pool(self) -> Path:
+        """Where the work directory keeps one copy of each distinct weights file its artifacts link."""
+        return Path(self.config.workdir) / ".weights"
+
     def log_dir(self) -> Path:
         """The tuning database folder for this job's target."""
         return Path(self.config.log_dir) / self.target.key

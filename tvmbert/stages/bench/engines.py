@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -180,12 +183,25 @@ def export_onnx(job: Job, path, sample, dynamic_shapes=None) -> None:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         model = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
-        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
-        with _quiet():  # its exporter logs a warning for each torchvision op it cannot register (torchvision is not installed)
+        with _quiet(), _onnx_written(path) as tmp:  # its exporter logs a warning for each torchvision op it cannot register
             torch.onnx.export(model, tuple(sample), str(tmp), input_names=list(job.source.inputs),
                               output_names=list(model.output_names), dynamic_shapes=dynamic_shapes, dynamo=True, optimize=True,
                               verbose=False)
-        tmp.replace(path)
+
+
+@contextlib.contextmanager
+def _onnx_written(path):
+    """A path to write an ONNX model to, moved to ``path`` when the block ends without error. The
+    exporter names its external weights file after the model's file and records that name in it,
+    so the model is written under its final name in a scratch folder; the weights move first and
+    the model last, so that a model file present is a complete one."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.stem}.tmp-", dir=path.parent))
+    try:
+        yield scratch / path.name
+        for written in sorted(scratch.iterdir(), key=lambda file: file.name == path.name):
+            written.replace(path.parent / written.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def ort_session(path, threads: int):
@@ -228,10 +244,8 @@ def ort_int8_engine(job: Job, inputs, threads: int) -> Engine:
     export_onnx(job, folder / "model.onnx", inputs)
     path = folder / "model-int8.onnx"
     if not path.is_file():
-        tmp = path.with_suffix(f".tmp-{os.getpid()}.onnx")
-        with _quiet():  # its advice to pre-process (shape inference) changes nothing for a model exported with shapes
+        with _quiet(), _onnx_written(path) as tmp:  # its advice to pre-process (shape inference) changes nothing here
             quantize_dynamic(folder / "model.onnx", tmp, weight_type=QuantType.QInt8, per_channel=PER_CHANNEL_ORT)
-        tmp.replace(path)
     session = ort_session(path, threads)
     feed = {name: t.numpy() for name, t in zip(job.source.inputs, inputs)}
     return Engine("ort-int8", lambda: session.run(None, feed), lambda: session.run(None, feed))
