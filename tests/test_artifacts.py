@@ -64,3 +64,11 @@ def test_a_writer_killed_mid_stage_leaves_a_folder_the_next_write_removes(tmp_pa
         (tmp / "model.so").write_bytes(b"whole")
     assert not orphan.exists() and live.exists() and elsewhere.exists()
     assert (stage / "model.so").read_bytes() == b"whole" and artifacts.read("build", stage).fingerprint == "fp"
+
+
+def test_the_code_version_covers_every_module_that_decides_an_artifact():
+    from tvmbert.core.artifacts import package_sources
+
+    names = {name for name, _ in package_sources()}
+    # A kernel, a pass, a stage and the exporter front end: a change to any of them must rebuild.
+    assert {"kernels/fma.py", "passes/fma_fp32.py", "stages/build.py", "frontend/models.py", "core/artifacts.py"} <= names

@@ -71,6 +71,30 @@ def test_panel_major_output_holds_the_row_major_result(lanes):
 
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+@pytest.mark.parametrize("block_rows", [8, 12])  # AVX2 tiles of 4 rows: blocks of 2 and 3; AVX-512 tiles of 8: 1
+def test_rows_done_a_block_at_a_time_give_the_one_sweeps_result(lanes, block_rows):
+    import tvm
+
+    lead, n, k, whole = (2, 19), 96, 40, 10**6  # 38 rows: whole tiles and a last smaller one, in the last block
+    rows, vectors = fma.tile(n, lanes)
+    width = vectors * lanes
+    rng = np.random.default_rng(2)
+    x, w, b, r = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, k), (k, n), (n,), (*lead, n)))
+    packed = np.ascontiguousarray(w.reshape(k, n // width, width).transpose(1, 0, 2))
+    for activation, residual, panel_major in (("relax.nn.gelu", False, False), (None, True, False), ("relax.nn.gelu", False, True)):
+        results = []
+        for block in (block_rows, whole):
+            function = fma.kernel(38, n, k, lanes, lead, activation, residual, panel_major, block_rows=block)
+            library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+            y = tvm.runtime.tensor(np.zeros((n // width, 38, width) if panel_major else (*lead, n), "float32"))
+            library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b, r if residual else np.zeros(1, "float32"))), y)
+            results.append(y.numpy())
+        np.testing.assert_array_equal(results[0], results[1])
+    assert fma.BLOCK_BYTES // ((768 + 3072) * 4) < 512  # bert-base's FFN at 8 x 512 goes in blocks, as measured
+
+
+@pytest.mark.simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("n", [64, 96])  # AVX-512: 6 x 4 and 8 x 3 tiles, split in two stack buffers each
 def test_accumulators_stay_off_the_heap(lanes, n):
     """A heap workspace for the accumulators is zeroed (memset) and stored at every tile; on the

@@ -172,13 +172,14 @@ EPILOGUES = [(None, False), ("relax.nn.gelu", False), (None, True)]
 @pytest.mark.simd
 @pytest.mark.parametrize("dot", DOTS)
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-@pytest.mark.parametrize("lead, n, k", [
-    ((7,), 48, 64),  # AVX2: 3 x 3 tiles, two of them and one of a row; 2 panels
-    ((2, 9), 96, 48),  # AVX-512: 6 x 4 tiles (3 of them); AVX2: 4 panels; K in 3 vectors of 16 (6 of 8)
-    ((300,), 16, 32),  # AVX2: one-vector panels of 100 row tiles: no prefetch
+@pytest.mark.parametrize("lead, n, k, block_rows", [
+    ((7,), 48, 64, None),  # AVX2: 3 x 3 tiles, two of them and one of a row; 2 panels
+    ((2, 9), 96, 48, None),  # AVX-512: 6 x 4 tiles (3 of them); AVX2: 4 panels; K in 3 vectors of 16 (6 of 8)
+    ((300,), 16, 32, None),  # AVX2: one-vector panels of 100 row tiles: no prefetch
+    ((2, 25), 48, 64, 9),  # rows in blocks (AVX2: 3 tiles of 3 rows), the last tile smaller, in the last block
 ])
 @pytest.mark.parametrize("activation, residual", EPILOGUES)
-def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activation, residual):
+def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, block_rows, activation, residual):
     import tvm
 
     dot = DOTS[dot]
@@ -186,7 +187,8 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, activa
         pytest.skip("N is not a multiple of the lanes")
     m = int(np.prod(lead))
     module = tvm.IRModule({"quantize": int8.quantize_rows_kernel(m, k, lanes, lead).with_attr("global_symbol", "quantize"),
-                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot=dot).with_attr("global_symbol", "matmul")})
+                           "matmul": int8.kernel(m, n, k, lanes, lead, activation, residual, dot=dot,
+                                                         block_rows=block_rows).with_attr("global_symbol", "matmul")})
     rows, vectors = int8.tile(n, lanes)
     check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, vectors * lanes)
 

@@ -33,10 +33,15 @@ FORMAT_VERSION = 1  # bump when an artifact's files change meaning
 def code_version() -> str:
     """A hash of tvmbert's own source, subpackages too: a changed pass or exporter invalidates what it produced."""
     digest = hashlib.sha256()
-    root = Path(__file__).parent
-    for source in sorted(root.rglob("*.py")):
-        digest.update(source.relative_to(root).as_posix().encode() + source.read_bytes())
+    for name, source in package_sources():
+        digest.update(name.encode() + source.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def package_sources() -> list[tuple[str, Path]]:
+    """Every Python file of the tvmbert package, by its path in it (this module is in ``core/``)."""
+    root = Path(__file__).resolve().parents[1]
+    return [(source.relative_to(root).as_posix(), source) for source in sorted(root.rglob("*.py"))]
 
 
 def fingerprint(**inputs) -> str:

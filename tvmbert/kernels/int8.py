@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, assembly_of, prefetch_to_l2, whole
+from tvmbert.kernels.fma import ACTIVATIONS, BLOCK_BYTES, CACHE_LINE, STACK_BYTES, assembly_of, prefetch_to_l2, whole
 
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
@@ -129,11 +129,12 @@ def dequantized(total, row_scale, column_scale, bias):
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, *, dot: DotProduct):
+           residual: bool = False, *, dot: DotProduct, block_rows: int | None = None):
     """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
     with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
     out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of
-    ``lead``) any row count; without ``residual``, r is one unread float."""
+    ``lead``) any row count; without ``residual``, r is one unread float. The rows go a block at a
+    time, as ``fma.kernel``'s (``BLOCK_BYTES``)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -145,7 +146,9 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     words = k // DEPTH  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
     panel_lines = k * width // CACHE_LINE
-    steps = (tiles + (last_rows > 0)) * words
+    block_tiles = max(1, (block_rows or BLOCK_BYTES // (k + n * 4)) // rows)
+    blocks = max(1, -(-(tiles + (last_rows > 0)) // block_tiles))
+    steps = block_tiles * words
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)
@@ -192,7 +195,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
         for kw in range(words):
             for q in T.unroll(per_step):
                 T.evaluate(prefetch_to_l2(T.address_of(wf[T.min(p + 1, panels - 1) * (k * width) + T.min(
-                    (t * words + kw) * per_step + q, panel_lines - 1) * CACHE_LINE])))
+                    (t % block_tiles * words + kw) * per_step + q, panel_lines - 1) * CACHE_LINE])))
             accumulate(x32, wq, acc_head, p, t * rows, head, kw)
             if tail > 0:
                 accumulate(x32, wq, acc_tail, p, t * rows + head, tail, kw)
@@ -214,11 +217,12 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 yf = T.decl_buffer((m, n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "int8", data=wq.data)
-                for p in T.parallel(panels):
-                    for t in range(tiles):
-                        row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, *groups(rows))
-                    if last_rows > 0:
-                        row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, tiles, *groups(last_rows))
+                for blk in range(blocks):
+                    for p in T.parallel(panels):
+                        for t in range(blk * block_tiles, T.min((blk + 1) * block_tiles, tiles)):
+                            row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, *groups(rows))
+                        if last_rows > 0 and blk == blocks - 1:
+                            row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, tiles, *groups(last_rows))
 
     assert isinstance(int8_matmul, tvm.tirx.PrimFunc)
     return int8_matmul
