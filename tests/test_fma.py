@@ -5,6 +5,7 @@ PyTorch) and softmax's vectorized exp."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -103,6 +104,12 @@ def test_accumulators_stay_off_the_heap(lanes, n):
 
     library = tvm.compile(tvm.IRModule({"main": fma.kernel(14, n, 32, lanes, residual=True)}), target=HOST)
     assert heap_buffers(library) == []
+
+
+@pytest.mark.parametrize("m", [16, 128])
+def test_a_matmul_within_one_block_of_rows_still_prefetches_the_next_panel(m):
+    lines = re.search(r"for q in T.unroll\((\d+)\)", fma.kernel(m, 768, 768, 8).script())
+    assert lines and int(lines[1]) > 0  # bert-base's output projection at 1 x 16 and 1 x 128 on AVX2
 
 
 def test_tile_leaves_registers_for_the_weights_and_the_broadcast():

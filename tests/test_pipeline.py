@@ -69,7 +69,7 @@ def test_every_shape_of_a_model_links_one_pooled_copy_of_its_weights(tvmbert, tm
     (pooled,) = (work / ".weights").glob("*.npz")
     assert shapes[0].stat().st_ino == shapes[1].stat().st_ino == pooled.stat().st_ino and pooled.stat().st_nlink == 3
     assert tvmbert("convert", "bert-tiny", "--seq-len", "9", "--force", "--workdir", str(work)).code == 0
-    assert list((work / ".weights").glob("*.npz")) == [pooled] and pooled.stat().st_nlink == 3  # the replaced one let go
+    assert list((work / ".weights").glob("*.npz")) == [pooled] and pooled.stat().st_nlink == 3  # the replaced folder's link gone with it
 
     shutil.rmtree(work / "bert-tiny")  # no artifact links the pooled copy now: the next write drops it
     assert tvmbert("convert", "bert-tiny", "--seed", "1", "--workdir", str(work)).code == 0

@@ -60,16 +60,21 @@ def _add_to_pool(path: Path, shared: Path) -> None:
     """Links ``path`` into the pool (atomically: a link under a scratch name, then renamed), and
     drops the pooled copies no artifact links any more. A pool that cannot be written costs only
     the sharing."""
+    scratch = shared.with_name(f".{shared.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         shared.parent.mkdir(parents=True, exist_ok=True)
-        scratch = shared.with_name(f".{shared.name}.{os.getpid()}.{threading.get_ident()}")
         os.link(path, scratch)
         scratch.replace(shared)
-        for pooled in shared.parent.glob("*.npz"):
-            if pooled.stat().st_nlink == 1:  # only the pool holds it: its artifacts were replaced or removed
-                pooled.unlink(missing_ok=True)
     except OSError:
-        pass
+        return
+    finally:
+        scratch.unlink(missing_ok=True)
+    for pooled in shared.parent.glob("*.npz"):
+        try:
+            if pooled.stat().st_nlink == 1:  # only the pool holds it: its artifacts were replaced or removed
+                pooled.unlink()
+        except OSError:  # another process removed it first
+            pass
 
 
 def load_params(path) -> dict[str, np.ndarray]:

@@ -115,7 +115,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     panel_lines = k * width * 4 // CACHE_LINE
     block_tiles = max(1, (block_rows or BLOCK_BYTES // ((k + n) * 4)) // rows)
     blocks = max(1, -(-(tiles + (last_rows > 0)) // block_tiles))
-    steps = block_tiles * k_blocks
+    steps = min(block_tiles, tiles + (last_rows > 0)) * k_blocks  # a panel's row tiles in one block
     # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles
     # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0

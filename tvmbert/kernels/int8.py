@@ -148,7 +148,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     panel_lines = k * width // CACHE_LINE
     block_tiles = max(1, (block_rows or BLOCK_BYTES // (k + n * 4)) // rows)
     blocks = max(1, -(-(tiles + (last_rows > 0)) // block_tiles))
-    steps = block_tiles * words
+    steps = min(block_tiles, tiles + (last_rows > 0)) * words
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)
