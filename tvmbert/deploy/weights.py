@@ -39,12 +39,13 @@ def save_params(path, weights: dict[str, np.ndarray], pool=None) -> int:
         first_of[content] = name
         stored[f"{name}{BFLOAT16_SUFFIX}" if array.dtype.name == "bfloat16" else name] = bits
     nbytes = sum(array.nbytes for array in stored.values())
-    if pool is not None and _linked_from_pool(path, Path(pool) / f"{whole.hexdigest()[:32]}.npz"):
+    shared = Path(pool) / f"{whole.hexdigest()[:32]}.npz" if pool is not None else None
+    if shared is not None and _linked_from_pool(path, shared):
         return nbytes
     with open(path, "wb") as handle:
         np.savez(handle, **stored)
-    if pool is not None:
-        _add_to_pool(path, Path(pool) / f"{whole.hexdigest()[:32]}.npz")
+    if shared is not None:
+        _add_to_pool(path, shared)
     return nbytes
 
 

@@ -52,6 +52,16 @@ def min_rows(target_key: str) -> int:
     return MIN_ROWS.get(target_key, 1)
 
 
+def row_blocks(m: int, rows: int, row_bytes: int, block_rows: int | None = None) -> tuple[int, int, int]:
+    """How a matmul kernel walks ``m`` rows in tiles of ``rows``: (tiles a block holds, blocks,
+    tiles a panel does in one block at most). A block is ``block_rows`` rows, or as many rows of
+    ``row_bytes`` (a row's inputs and outputs) as ``BLOCK_BYTES`` holds; the rows past the last
+    whole tile are one more tile, in the last block."""
+    all_tiles = m // rows + (m % rows > 0)
+    block_tiles = max(1, (block_rows or BLOCK_BYTES // row_bytes) // rows)
+    return block_tiles, max(1, -(-all_tiles // block_tiles)), min(block_tiles, all_tiles)
+
+
 def tile(n: int, lanes: int) -> tuple[int, int] | None:
     """(rows, vectors) of the accumulator tile for N columns and the target's vector lanes: as
     many accumulators as leave a register per weight vector and one for the broadcast (32 vector
@@ -113,9 +123,8 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     k_block = max(d for d in range(1, 17) if k % d == 0)  # k steps unrolled between prefetches
     k_blocks = k // k_block
     panel_lines = k * width * 4 // CACHE_LINE
-    block_tiles = max(1, (block_rows or BLOCK_BYTES // ((k + n) * 4)) // rows)
-    blocks = max(1, -(-(tiles + (last_rows > 0)) // block_tiles))
-    steps = min(block_tiles, tiles + (last_rows > 0)) * k_blocks  # a panel's row tiles in one block
+    block_tiles, blocks, panel_tiles = row_blocks(m, rows, (k + n) * 4, block_rows)
+    steps = panel_tiles * k_blocks
     # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles
     # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0

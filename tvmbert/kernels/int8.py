@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tvmbert.kernels.fma import ACTIVATIONS, BLOCK_BYTES, CACHE_LINE, STACK_BYTES, assembly_of, prefetch_to_l2, whole
+from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, assembly_of, prefetch_to_l2, row_blocks, whole
 
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
@@ -134,7 +134,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
     out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of
     ``lead``) any row count; without ``residual``, r is one unread float. The rows go a block at a
-    time, as ``fma.kernel``'s (``BLOCK_BYTES``)."""
+    time, as ``fma.kernel``'s (``fma.row_blocks``)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -146,9 +146,8 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     words = k // DEPTH  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
     panel_lines = k * width // CACHE_LINE
-    block_tiles = max(1, (block_rows or BLOCK_BYTES // (k + n * 4)) // rows)
-    blocks = max(1, -(-(tiles + (last_rows > 0)) // block_tiles))
-    steps = min(block_tiles, tiles + (last_rows > 0)) * words
+    block_tiles, blocks, panel_tiles = row_blocks(m, rows, k + n * 4, block_rows)
+    steps = panel_tiles * words
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)
