@@ -35,11 +35,15 @@ def _heads(columns, batch, seq, heads, dim, offset):  # [B * S, C] columns -> [B
 
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64)])
+@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64), (2, 1, 24, 16)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_shape, fused):
+    """The softmax takes 4, 2 or 1 vectors a step (32, 16 and 24 tokens at 8 lanes)."""
     import tvm
+
+    if not attention.fits(seq, dim, lanes):
+        pytest.skip(f"{seq} tokens are not whole {lanes}-lane vectors")
 
     rng = np.random.default_rng(0)
     width = heads * dim

@@ -201,7 +201,7 @@ def test_a_cpu_tune_registers_the_x86_tensor_intrinsics_only():
         "import sys\n"
         "from tvm.s_tir import TensorIntrin\n"
         "from tvmbert.core.targets import resolve\n"
-        "from tvmbert.tuning.search import register_tensor_intrinsics\n"
+        "from tvmbert.tuning.compile import register_tensor_intrinsics\n"
         "register_tensor_intrinsics(resolve('llvm -mcpu=sapphirerapids'))\n"
         "import tvm.s_tir.tensor_intrin\n"  # what TuneContext imports: the package registered above, as it is
         "TensorIntrin.get('dot_16x4_vnni')\n"

@@ -40,6 +40,7 @@ ROWS = 4  # query rows per register tile
 # each per 256 tokens at bert-base's head size) it stays in a core's L2 while the block's
 # softmax and P V reread it, where a whole head's scores (1 MiB at 512 tokens) would not.
 SCORES_BYTES = 64 * 1024
+SOFTMAX_VECTORS = 4  # vectors of a row's scores per softmax step (softmax_vectors)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,13 @@ def vectors_per_tile(count: int, lanes: int) -> int:
     return next(v for v in range(most, 0, -1) if count % v == 0)
 
 
+def softmax_vectors(seq: int, lanes: int) -> int:
+    """Vectors of a score row the softmax takes at a time: its exp is a chain of ~25 dependent
+    instructions, which the CPU overlaps only across the vectors of one loop step (one vector a
+    step left the softmax latency-bound, ~20% of the kernel at 512 tokens)."""
+    return next(v for v in (SOFTMAX_VECTORS, 2, 1) if seq % (v * lanes) == 0)
+
+
 def query_block(seq: int) -> int:
     """Query rows done at a time: the most, dividing ``seq`` in whole register tiles, whose
     scores stay within SCORES_BYTES (one tile's at least)."""
@@ -148,8 +156,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
     row, at, mask_at = grid.row, grid.at, grid.mask_at
 
+    softmax_width = softmax_vectors(seq, lanes) * lanes
+
     def across_lanes(partial, combine):
-        return _across_lanes(partial, lanes, combine)
+        return _across_lanes(partial, softmax_width, combine)
 
     # The next head's Q, K and V rows (strided columns of the operands, which the hardware
     # prefetcher does not follow) are prefetched while this head's scores are computed, spread
@@ -234,7 +244,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     totals = T.alloc_buffer((block_rows,), "float32")
                     acc_top = T.alloc_buffer((half, width), "float32")
                     acc_bottom = T.alloc_buffer((half, width), "float32")
-                    partial = T.alloc_buffer((lanes,), "float32")
+                    partial = T.alloc_buffer((softmax_width,), "float32")
                     block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
                     row_max = T.alloc_buffer((1,), "float32")
                     # this head's K transposed and V (unless read in place), contiguous (rows of the operands are far apart: cache sets)
@@ -268,18 +278,18 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                                 score_store(mask, scores, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
                         # softmax's max, exp and sum over each row
                         for i in range(block_rows):
-                            for x in T.vectorized(lanes):
+                            for x in T.vectorized(softmax_width):
                                 partial[x] = scores[i, x]
-                            for c in range(1, seq // lanes):
-                                for x in T.vectorized(lanes):
-                                    partial[x] = T.max(partial[x], scores[i, c * lanes + x])
+                            for c in range(1, seq // softmax_width):
+                                for x in T.vectorized(softmax_width):
+                                    partial[x] = T.max(partial[x], scores[i, c * softmax_width + x])
                             row_max[0] = across_lanes(partial, T.max)
-                            for x in T.vectorized(lanes):
+                            for x in T.vectorized(softmax_width):
                                 partial[x] = T.float32(0)
-                            for c in range(seq // lanes):
-                                for x in T.vectorized(lanes):
-                                    scores[i, c * lanes + x] = exp_float32(scores[i, c * lanes + x] - row_max[0])
-                                    partial[x] = partial[x] + scores[i, c * lanes + x]
+                            for c in range(seq // softmax_width):
+                                for x in T.vectorized(softmax_width):
+                                    scores[i, c * softmax_width + x] = exp_float32(scores[i, c * softmax_width + x] - row_max[0])
+                                    partial[x] = partial[x] + scores[i, c * softmax_width + x]
                             totals[i] = across_lanes(partial, lambda a, b: a + b)
                         # y = P V / sum
                         for t in range(block_rows // ROWS):

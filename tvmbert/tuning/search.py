@@ -20,7 +20,7 @@ from tvmbert.core.errors import Interrupted
 from tvmbert.core.targets import cpu_count
 from tvmbert.ir.tasks import Task
 from tvmbert.tuning import database, measure
-from tvmbert.tuning.compile import TENSOR_INTRINSICS, tensor_intrinsics_package_alone
+from tvmbert.tuning.compile import register_tensor_intrinsics
 
 TRIALS_PER_BATCH = 16  # candidates built and measured together; what an interruption can lose
 MIN_TRIALS_PER_TASK = 8  # below this a task's search has hardly started (unless --trials-per-task is lower)
@@ -100,18 +100,6 @@ def estimate_ms(tuned: list[TaskProgress]) -> float:
 def best_us(records, task) -> float | None:
     best = database.best_seconds(records, task)
     return round(best * 1e6, 2) if best is not None else None
-
-
-def register_tensor_intrinsics(target) -> None:
-    """Registers the tensor intrinsics ``target``'s schedules may use, before TuneContext imports
-    ``tvm.s_tir.tensor_intrin``: a target needs its own only (tensor_intrinsics_package_alone)."""
-    import importlib
-
-    from tvmbert.core.targets import KINDS
-
-    tensor_intrinsics_package_alone()
-    for module in KINDS[target.kind].tensor_intrinsics:
-        importlib.import_module(f"{TENSOR_INTRINSICS}.{module}")
 
 
 class Session:
