@@ -17,7 +17,7 @@
 # back when a later one runs out of time:
 #   builds.txt                              every build the steps below run (bert-base on cuda: fp32 1 x 14,
 #                                           fp16 1 x 14, 1 x 128, 8 x 128), in one process: TVM parses its
-#                                           CUDA tensor intrinsics once (a minute on 2 cores here)
+#                                           CUDA tensor intrinsics once (5 s on 2 cores here)
 #   verify-fp32.json, verify-fp16.json      tvmbert verify MODEL --target cuda [--dtype float16]
 #   bench-fp16-b1.json, bench-fp16-b8.json  tvm against torch-eager, -sdpa and -compile on the GPU,
 #                                           synchronized, in fp16: 1 x 14 and 1 x 128; 8 x 128
@@ -128,7 +128,7 @@ run_steps() {
     steps=" ${STEPS:-builds verify-fp32 verify-fp16 bench-fp16-b1 bench-fp16-b8 tests} "
     source benchmarks/steps.sh
     # Every build the asked steps run, first and in one process: TVM parses its CUDA tensor intrinsics
-    # once (a minute on 2 cores here), and a dry run cross-compiles each shape. The steps after reuse them.
+    # once (5 s on 2 cores here), and a dry run cross-compiles each shape. The steps after reuse them.
     local wanted=()
     run verify-fp32 || run bench-fp32 && wanted+=(float32:1x14)
     run verify-fp16 || run bench-fp16-b1 && wanted+=(float16:1x14)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import csv
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tvmbert.stages.bench.engines import Engine, _check
+from tvmbert.stages.bench.engines import Engine, _check, _onnx_written
 from tvmbert.stages.bench.timing import _ratios, measure
 
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
@@ -120,3 +123,21 @@ def test_timed_calls_never_collect_garbage_and_the_machine_jitter_is_reported():
     assert len(seen) - 2 >= timed and not any(seen[2:])  # every call after it, timed or waking, without
     assert gc.isenabled() == enabled_before and gc.get_freeze_count() == 0  # the collector as it was, nothing left frozen
     assert jitter["median_ms"] > 0 and jitter["p99_ratio"] >= 1 and jitter["runs"] >= 3 * 2
+
+
+def test_an_onnx_export_removes_the_scratch_folder_a_killed_bench_left(tmp_path):
+    """A bench killed mid-export leaves its scratch folder (bert-base's weights, 440 MB); the next
+    export removes it, and leaves alone one whose process is alive (a bench beside it)."""
+    import socket
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    host = socket.gethostname()
+    killed, beside = tmp_path / f".model.onnx.tmp-{gone}@{host}@a", tmp_path / f".model.onnx.tmp-{os.getpid()}@{host}@b"
+    for folder in (killed, beside):
+        folder.mkdir()
+        (folder / "model.onnx.data").write_bytes(b"weights")
+    with _onnx_written(tmp_path / "model.onnx") as written:
+        written.with_name("model.onnx.data").write_bytes(b"new weights")
+        written.write_bytes(b"model")
+    assert sorted(file.name for file in tmp_path.iterdir()) == sorted(["model.onnx", "model.onnx.data", beside.name])
+    assert (tmp_path / "model.onnx.data").read_bytes() == b"new weights"

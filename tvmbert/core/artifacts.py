@@ -99,19 +99,17 @@ def writing(stage: str, path: Path, fp: str, meta: dict):
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
-    _remove_orphans(path)
-    owner = f"{os.getpid()}@{socket.gethostname()}@"  # '@' is in no host name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{owner}", dir=path.parent))
     try:
-        yield tmp
-        write_json(tmp / STAGE_FILE, {"stage": stage, "fingerprint": fp, **meta})
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{owner}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(path)
+        with scratch_beside(path) as tmp:
+            yield tmp
+            write_json(tmp / STAGE_FILE, {"stage": stage, "fingerprint": fp, **meta})
+            if path.exists():
+                old = path.with_name(f".{path.name}.old-{_owner()}")
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(path)
     except Exception as exc:
         # Checked before the partial folder is removed: a writer that ran out of space may fail
         # with anything (torch's zip writer, a compiler), not only OSError(ENOSPC).
@@ -122,9 +120,23 @@ def writing(stage: str, path: Path, fp: str, meta: dict):
         if isinstance(exc, OSError):
             raise InputError(f"cannot write the {stage} artifact into {path.parent}: {exc.strerror or exc}") from None
         raise
+
+
+@contextmanager
+def scratch_beside(path: Path):
+    """A fresh hidden folder beside ``path`` to write it in, removed when the block ends. Its name
+    says which process on which machine made it, so that the next write of ``path`` removes it
+    if that process died first (SIGKILL, a power cut), and leaves a live writer's alone."""
+    _remove_orphans(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{_owner()}", dir=path.parent))
+    try:
+        yield tmp
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _owner() -> str:
+    return f"{os.getpid()}@{socket.gethostname()}@"  # '@' is in no host name
 
 
 def _remove_orphans(path: Path) -> None:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
-from tvmbert.core import registry
+from tvmbert.core import artifacts, registry
 from tvmbert.core.config import torch_dtype
 from tvmbert.core.errors import InputError
 from tvmbert.deploy import packing
@@ -194,14 +191,12 @@ def _onnx_written(path):
     """A path to write an ONNX model to, moved to ``path`` when the block ends without error. The
     exporter names its external weights file after the model's file and records that name in it,
     so the model is written under its final name in a scratch folder; the weights move first and
-    the model last, so that a model file present is a complete one."""
-    scratch = Path(tempfile.mkdtemp(prefix=f".{path.stem}.tmp-", dir=path.parent))
-    try:
+    the model last, so that a model file present is a complete one. A killed bench's folder goes
+    at the next export (``artifacts.scratch_beside``)."""
+    with artifacts.scratch_beside(path) as scratch:
         yield scratch / path.name
         for written in sorted(scratch.iterdir(), key=lambda file: file.name == path.name):
             written.replace(path.parent / written.name)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def ort_session(path, threads: int):
