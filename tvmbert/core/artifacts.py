@@ -99,8 +99,8 @@ def writing(stage: str, path: Path, fp: str, meta: dict):
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create {path.parent}: {exc.strerror or exc}") from None
-    try:
-        with scratch_beside(path) as tmp:
+    with scratch_beside(path) as tmp:
+        try:
             yield tmp
             write_json(tmp / STAGE_FILE, {"stage": stage, "fingerprint": fp, **meta})
             if path.exists():
@@ -110,16 +110,16 @@ def writing(stage: str, path: Path, fp: str, meta: dict):
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 tmp.rename(path)
-    except Exception as exc:
-        # Checked before the partial folder is removed: a writer that ran out of space may fail
-        # with anything (torch's zip writer, a compiler), not only OSError(ENOSPC).
-        free = shutil.disk_usage(path.parent).free
-        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < DISK_FULL_BYTES:
-            raise InputError(f"no space left on the disk that holds {path.parent} ({free // 1024} KiB free): "
-                             f"the {stage} artifact was not written") from None
-        if isinstance(exc, OSError):
-            raise InputError(f"cannot write the {stage} artifact into {path.parent}: {exc.strerror or exc}") from None
-        raise
+        except Exception as exc:
+            # Checked before the partial folder is removed: a writer that ran out of space may fail
+            # with anything (torch's zip writer, a compiler), not only OSError(ENOSPC).
+            free = shutil.disk_usage(path.parent).free
+            if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free < DISK_FULL_BYTES:
+                raise InputError(f"no space left on the disk that holds {path.parent} ({free // 1024} KiB free): "
+                                 f"the {stage} artifact was not written") from None
+            if isinstance(exc, OSError):
+                raise InputError(f"cannot write the {stage} artifact into {path.parent}: {exc.strerror or exc}") from None
+            raise
 
 
 @contextmanager
