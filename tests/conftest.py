@@ -46,34 +46,56 @@ def tvmbert(capsys, workdir):
     return run
 
 
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """A folder ``make`` fills once per test run, shared by pytest-xdist's workers: the first to
+    ask makes it under a lock, the others wait and read it (each worker tuned its own before: the
+    same minutes of tuning twice, on the same two cores at once)."""
+    import fcntl
+    import os
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / name
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
+def _tune(workdir, *args):
+    def make(log_dir):
+        assert main(["tune", "bert-tiny", *args, *SMALL_TUNE, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def tuned(tmp_path_factory, workdir):
-    """bert-tiny tuned once into a fresh log dir, under this CPU's key; tests that change the
-    logs work on a copy."""
-    log_dir = tmp_path_factory.mktemp("logs")
-    assert main(["tune", "bert-tiny", *SMALL_TUNE, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
-    return log_dir
+    """bert-tiny tuned once into a log dir, under this CPU's key; tests that write to logs work on a copy."""
+    return made_once(tmp_path_factory, "logs", _tune(workdir))
 
 
 @pytest.fixture(scope="session")
 def tuned_everywhere_alike(tmp_path_factory, workdir):
-    """bert-tiny at 1 x 16 tuned once into a fresh log dir, under this CPU's key: at 16 rows every
+    """bert-tiny at 1 x 16 tuned once into a log dir, under this CPU's key: at 16 rows every
     CPU's pipeline leaves the same kernels to tune (kernels/fma.MIN_ROWS keeps 1 x 14's matmuls and
     layer norms in the graph on a Sapphire Rapids only), so another CPU's build finds each of its
     tasks here."""
-    log_dir = tmp_path_factory.mktemp("alike")
-    assert main(["tune", "bert-tiny", *ALIKE, *SMALL_TUNE, "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
-    return log_dir
+    return made_once(tmp_path_factory, "alike", _tune(workdir, *ALIKE))
 
 
 @pytest.fixture(scope="session")
 def tuned_schedules(tmp_path_factory, workdir):
     """Two of bert-tiny's weight matmuls and its layer norm tuned by MetaSchedule (our kernels left out):
     what the tests of tuned layouts and renamed records read, whatever this CPU's kernels take."""
-    log_dir = tmp_path_factory.mktemp("schedules")
-    assert main(["tune", "bert-tiny", *WITHOUT_KERNELS, "--kernel", "^fused_matmul5?_add", "--kernel", "^layer_norm", *SMALL_TUNE,
-                 "--log-dir", str(log_dir), "--workdir", str(workdir), "--json"]) == 0
-    return log_dir
+    return made_once(tmp_path_factory, "schedules",
+                     _tune(workdir, *WITHOUT_KERNELS, "--kernel", "^fused_matmul5?_add", "--kernel", "^layer_norm"))
 
 
 @pytest.fixture

@@ -35,11 +35,12 @@ def _heads(columns, batch, seq, heads, dim, offset):  # [B * S, C] columns -> [B
 
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64), (2, 1, 24, 16)])
+@pytest.mark.parametrize("batch, heads, seq, dim", [(2, 3, 32, 16), (1, 2, 48, 32), (3, 1, 16, 64), (2, 1, 24, 16), (1, 1, 64, 16)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_shape, fused):
-    """The softmax takes 4, 2 or 1 vectors a step (32, 16 and 24 tokens at 8 lanes)."""
+    """The softmax takes 4, 2 or 1 vectors a step (at 8 lanes: 32 or 64, 16 or 48, and 24 tokens;
+    at 16 lanes: 64, 32, and 16 or 48)."""
     import tvm
 
     if not attention.fits(seq, dim, lanes):

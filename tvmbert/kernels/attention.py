@@ -101,9 +101,13 @@ class _Grid:
         return mask[tuple(0 if size == 1 else at for size, at in zip(self.mask_shape, index))]
 
 
-def _across_lanes(partial, lanes: int, combine):
-    """The lanes of ``partial`` combined as a tree: 4 dependent steps where a chain takes 15."""
-    values = [partial[x] for x in range(lanes)]
+def _across_lanes(partial, count: int, combine, lanes: int | None = None):
+    """The ``count`` values of ``partial`` combined as a tree: 4 dependent steps where a chain
+    of 16 takes 15. With ``lanes``, its vectors are first combined into one, lane by lane (whole
+    vector instructions), then that vector's lanes."""
+    values = [partial[x] for x in range(count)]
+    while lanes and len(values) > lanes:
+        values = [combine(a, b) for a, b in zip(values[:len(values) // 2], values[len(values) // 2:])]
     while len(values) > 1:
         values = [combine(a, b) for a, b in zip(values[::2], values[1::2])]
     return values[0]
@@ -159,7 +163,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     softmax_width = softmax_vectors(seq, lanes) * lanes
 
     def across_lanes(partial, combine):
-        return _across_lanes(partial, softmax_width, combine)
+        return _across_lanes(partial, softmax_width, combine, lanes)
 
     # The next head's Q, K and V rows (strided columns of the operands, which the hardware
     # prefetcher does not follow) are prefetched while this head's scores are computed, spread

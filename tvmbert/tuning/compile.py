@@ -3,6 +3,7 @@ inference and training for forward + backward, so it sits below both."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from tvmbert.tuning.default_schedules import default_cpu_schedules, default_gpu_
 
 WEIGHT_LAYOUT_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
 TENSOR_INTRINSICS = "tvm.s_tir.tensor_intrin"
+_STACK_SWAP = threading.Lock()
 
 
 @dataclass
@@ -79,12 +81,13 @@ def _frames_without_source():
             frame = frame.f_back
         return frames
 
-    full = inspect.stack
-    inspect.stack = stack
-    try:
-        yield
-    finally:
-        inspect.stack = full
+    with _STACK_SWAP:  # two threads' swaps, interleaved, could leave this one in place for good
+        full = inspect.stack
+        inspect.stack = stack
+        try:
+            yield
+        finally:
+            inspect.stack = full
 
 
 def summary(schedules: dict[str, str]) -> str:
