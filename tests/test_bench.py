@@ -51,10 +51,18 @@ def test_openvino_is_an_engine_checked_and_timed_like_the_others_on_a_named_cpu(
     assert report["best_other"] in ("openvino", "onnxruntime")  # the ratio is against the best of every peer
     environment = report["environment"]
     assert environment["openvino"] and "family" in environment["cpu"] and "sse4.2" in environment["instruction_sets"]
-    assert "openvino" in (tmp_path / "b.md").read_text()
-    # float64 is not something its CPU plugin computes: said, not timed.
+    # This machine's floor, measured before the engines, and each engine's share of the shape's.
+    machine_floor, result = report["floor"], report["results"][0]
+    assert machine_floor["dtype"] == "float32" and machine_floor["fma_gflop_per_s"] > 0 and machine_floor["memory_gb_per_s"] > 0
+    assert result["floor_ms"] > 0 and result["bound"] in ("fma", "memory")
+    for stats in report["engines"].values():
+        assert stats["of_floor"] == pytest.approx(result["floor_ms"] / stats["median_ms"], abs=1e-3)
+    markdown = (tmp_path / "b.md").read_text()
+    assert "openvino" in markdown and f"{machine_floor['fma_gflop_per_s']:.1f} GFLOP/s" in markdown and "| floor ms |" in markdown
+    # float64 is not something its CPU plugin computes: said, not timed. The floor is fp64's.
     wide = tvmbert("bench", "bert-tiny", "--dtype", "float64", "--engines", "openvino", *FAST, "--json")
     assert wide.code == 0 and "f32 or bf16" in wide.json["engines"]["openvino"]["skipped"]
+    assert wide.json["floor"]["dtype"] == "float64" and "of_floor" in wide.json["engines"]["tvm"]
 
 
 @pytest.mark.slow

@@ -161,7 +161,8 @@ def bench(report):
              "seq/s": [f"{stats['throughput']:.1f}" for stats in engines],
              "runs": [str(stats["runs"]) for stats in engines],
              "setup s": [f"{stats['setup_s']:.1f}" for stats in engines],
-             "memory MB": [f"{stats['memory_mb']:.0f}" for stats in engines]},
+             "memory MB": [f"{stats['memory_mb']:.0f}" for stats in engines],
+             **({"of floor": [f"{stats['of_floor']:.0%}" for stats in engines]} if "floor_ms" in result else {})},
             drop_first=("memory MB", "setup s", "runs", "p90 ms", "seq/s", "after idle ms")))
         for name, stats in result["engines"].items():
             if "skipped" in stats:
@@ -169,6 +170,11 @@ def bench(report):
         if result["ratio"]:
             verdict = "tvm faster" if result["ratio"] < 1 else "tvm slower"
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
+        if "floor_ms" in result:
+            machine_floor = report["floor"]
+            bound = (f"{result['gflop']:.2f} GFLOP at the {machine_floor['dtype']} FMA peak, {machine_floor['fma_gflop_per_s']:.1f} GFLOP/s"
+                     if result["bound"] == "fma" else f"the weights read once at {machine_floor['memory_gb_per_s']:.1f} GB/s")
+            out.print(f"[dim]floor: {result['floor_ms']:.3f} ms ({bound}, measured here); of floor: floor / median[/dim]")
         if result.get("packed_speedup"):
             out.print(f"tvm (padded) median / tvm-packed's: {result['packed_speedup']:.2f}")
         machine_jitter(result["machine_jitter"])

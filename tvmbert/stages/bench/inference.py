@@ -12,6 +12,7 @@ from tvmbert.core.errors import InputError, ToolchainError
 from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
 from tvmbert.frontend.models import sizes
+from tvmbert.stages.bench import floor
 from tvmbert.stages.bench.engines import (
     IN_PEER_DTYPE,
     QUANTIZED_PEERS,
@@ -47,8 +48,9 @@ def padded_inputs(job: Job, padding: float) -> tuple:
     return inputs
 
 
-def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: int) -> dict:
-    """One shape: every engine set up, checked, then timed together."""
+def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: int, machine_floor: floor.Floor | None) -> dict:
+    """One shape: every engine set up, checked, then timed together; with ``machine_floor`` (fp32
+    and fp64 on a CPU), the shape's floor and each engine's share of it."""
     options = job.config.bench
     inputs = padded_inputs(job, shape.padding)
     mask = inputs[job.inputs.names.index("attention_mask")].numpy()
@@ -87,11 +89,15 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
     jitter = measure(timed, options.warmup, options.repeat, options.min_time_s)
     gflop = sizes(job.source).flops(shape.batch, shape.seq_len) / 1e9  # the whole shape's, padding included: what each engine runs
+    shape_floor = machine_floor.shape(sizes(job.source), shape.batch, shape.seq_len) if machine_floor else {}
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
         report[engine.name]["gflop_per_s"] = round(gflop / (report[engine.name]["median_ms"] / 1000), 1)
+        if shape_floor:
+            report[engine.name]["of_floor"] = round(shape_floor["floor_ms"] / report[engine.name]["median_ms"], 3)
     ordered = {name: report[name] for name in engine_names if name in report}
-    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "gflop": round(gflop, 2), "engines": ordered,
+    return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "gflop": round(gflop, 2), **shape_floor,
+            "engines": ordered,
             **_ratios(ordered, job.config.dtype),
             "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
 
@@ -131,17 +137,20 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
         engines = ("tvm", *engines)
     threads = job.config.bench.threads or cpu_count()
     set_threads(threads)
+    machine_floor = floor.measure(job.target, threads, job.config.dtype)  # before any engine: on a quiet process
     results = []
     for batch in batches or (job.config.batch,):
         for seq_len in seq_lens or (job.config.seq_len,):
             shaped = Job(replace(job.config, batch=batch, seq_len=seq_len), no_deps=job.no_deps, say=job.say)
             for padding in paddings:
                 actual = Shape(*shaped.inputs.shape, padding)
-                results.append(bench_shape(shaped, actual, engines, threads))
+                results.append(bench_shape(shaped, actual, engines, threads, machine_floor))
     # --allow-random-weights: the weights every engine ran drawn at random, said once for the report.
     drawn = sorted({name for result in results for name in result.pop("random_weights")})
     report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn,
               "environment": environment(job, threads),
+              "floor": {"fma_gflop_per_s": machine_floor.fma_gflop_per_s, "memory_gb_per_s": machine_floor.memory_gb_per_s,
+                        "dtype": machine_floor.dtype} if machine_floor else None,
               "engine_dtypes": engine_dtypes(job.config.dtype, engines, job.target.is_gpu), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})

@@ -11,7 +11,7 @@ from tvmbert.stages.bench.engines import ENGINES
 def to_csv(report: dict) -> str:
     buffer = io.StringIO()
     columns = ["model", "dtype", "batch", "seq_len", "padding", "engine", "median_ms", "p90_ms", "p99_ms", "mean_ms",
-               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "gflop_per_s", "setup_s", "memory_mb", "skipped"]
+               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "gflop_per_s", "of_floor", "setup_s", "memory_mb", "skipped"]
     writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
     for result in report["results"]:
@@ -80,11 +80,22 @@ def to_markdown(report: dict, command: str) -> str:
         ratio = f"{result['ratio']:.2f} vs {result['best_other']}" if result["ratio"] else "-"
         lines.append(f"| {result['batch']} x {result['seq_len']} | {result['padding']:g} | " + " | ".join(cells) + f" | {ratio} |")
     if all("gflop" in result for result in report["results"]):
-        lines += ["", "GFLOP/s: each shape's encoder FLOPs (a multiply-add is two) over each median; the floor of a "
-                  "shape is its GFLOP at this machine's FMA peak.", "",
-                  "| batch x seq | GFLOP | " + " | ".join(names) + " |", "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+        machine_floor = report.get("floor")
+        lines += ["", "GFLOP/s: each shape's encoder FLOPs (a multiply-add is two) over each median."]
+        if machine_floor:
+            lines[-1] += (f" The floor: the larger of the FLOPs at this machine's {machine_floor['dtype']} FMA peak "
+                          f"({machine_floor['fma_gflop_per_s']:.1f} GFLOP/s, register-only, on every thread) and the weight "
+                          f"matmuls' weights read once at its memory bandwidth ({machine_floor['memory_gb_per_s']:.1f} GB/s); "
+                          "in brackets, each engine's share of it (floor / median).")
+        floor_column = machine_floor and all("floor_ms" in result for result in report["results"])
+        lines += ["", "| batch x seq | GFLOP | " + ("floor ms | " if floor_column else "") + " | ".join(names) + " |",
+                  "| --- | --- | " + ("--- | " if floor_column else "") + " | ".join("---" for _ in names) + " |"]
         for result in report["results"]:
-            rates = [f"{result['engines'][name]['gflop_per_s']:.1f}" if "gflop_per_s" in result["engines"].get(name, {}) else "-"
-                     for name in names]
-            lines.append(f"| {result['batch']} x {result['seq_len']} | {result['gflop']:.2f} | " + " | ".join(rates) + " |")
+            rates = []
+            for name in names:
+                stats = result["engines"].get(name, {})
+                rate = f"{stats['gflop_per_s']:.1f}" if "gflop_per_s" in stats else "-"
+                rates.append(rate + (f" ({stats['of_floor']:.0%})" if "of_floor" in stats else ""))
+            floor_cell = f"{result['floor_ms']:.1f} ({result['bound']}) | " if floor_column else ""
+            lines.append(f"| {result['batch']} x {result['seq_len']} | {result['gflop']:.2f} | {floor_cell}" + " | ".join(rates) + " |")
     return "\n".join(lines) + "\n"

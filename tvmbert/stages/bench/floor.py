@@ -1,0 +1,128 @@
+"""This machine's floors, measured where bench runs, so that each engine's time reads against what
+the machine allows: an engine at 95% of a shape's floor has nothing left to win there, whatever
+the ratio between engines says.
+
+- The FMA peak: independent chains of vector FMAs held in registers on every thread (no loads),
+  built by TVM for the job's target. It is the rate of the arithmetic the weight matmuls are made
+  of; the best of a few runs, as a busy machine only lowers it.
+- The memory bandwidth: the rows of a buffer summed by every thread, the caches flushed before
+  each run: the rate at which a matmul reads weights it cannot keep in cache.
+
+A shape's floor is the larger of its FLOPs at the peak and its weight matmuls' weights read once
+at the bandwidth. It is given for fp32 and fp64, the arithmetic the probe runs; int8 and bf16 run
+other instructions (``vpmaddubsw``, VNNI, AMX) whose peak this does not measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvmbert.core.memory import ModelSizes
+
+# Accumulators per thread: at least an FMA's latency times the FMA units (4-5 cycles x 2 on the
+# x86 cores seen here), and with the multiplier and addend within AVX2's 16 vector registers.
+CHAINS = 12
+FMA_STEPS = 400_000  # per run and thread: a few milliseconds, far above the thread pool's start
+BANDWIDTH_BYTES = 64 * 2**20  # above any core's L2, flushed from every cache level before each run
+BANDWIDTH_COLUMNS = 4096
+RUNS = 5
+FLOOR_DTYPES = {"float32": 4, "float64": 8}  # the probe's arithmetic, and the weights' bytes
+
+
+@dataclass(frozen=True)
+class Floor:
+    fma_gflop_per_s: float
+    memory_gb_per_s: float
+    dtype: str
+
+    def shape(self, sizes: ModelSizes, batch: int, seq: int) -> dict:
+        """A shape's floor in ms and what binds it ("fma" or "memory")."""
+        compute_ms = sizes.flops(batch, seq) / self.fma_gflop_per_s / 1e6
+        memory_ms = sizes.matmul_weights * FLOOR_DTYPES[self.dtype] / self.memory_gb_per_s / 1e6
+        return {"floor_ms": round(max(compute_ms, memory_ms), 3), "bound": "fma" if compute_ms >= memory_ms else "memory"}
+
+
+def fma_probe(threads: int, lanes: int, dtype: str, steps: int = FMA_STEPS):
+    """TIR: on each of ``threads`` threads, CHAINS vectors updated ``acc = acc * m + c`` ``steps``
+    times (LLVM contracts each into one FMA), then stored: nothing is loaded in the loop."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def probe(operands: T.Buffer((2, lanes), dtype), out: T.Buffer((threads, CHAINS, lanes), dtype)):
+        T.func_attr({"tirx.noalias": True})
+        for t in T.parallel(threads):
+            acc = T.alloc_buffer((CHAINS, lanes), dtype, scope="local")
+            for i in T.unroll(CHAINS):
+                for x in T.vectorized(lanes):
+                    acc[i, x] = operands[1, x] + T.Cast(dtype, i)
+            for _ in range(steps):
+                for i in T.unroll(CHAINS):
+                    for x in T.vectorized(lanes):
+                        acc[i, x] = acc[i, x] * operands[0, x] + operands[1, x]
+            for i in T.unroll(CHAINS):
+                for x in T.vectorized(lanes):
+                    out[t, i, x] = acc[i, x]
+
+    return probe
+
+
+def row_sums(rows: int, columns: int, lanes: int):
+    """TIR: ``sums[i, x]`` = the sum over k of ``buffer[i, lanes * k + x]``, rows split over the
+    threads, ``lanes`` vector accumulators a row. Its first argument is unread: TVM's cache flush
+    spares the first argument."""
+    import tvm
+    from tvm import te
+
+    first = te.placeholder((lanes,), name="first")
+    buffer = te.placeholder((rows, columns), name="buffer")
+    k = te.reduce_axis((0, columns // lanes), "k")
+    sums = te.compute((rows, lanes), lambda i, x: te.sum(buffer[i, k * lanes + x], axis=k), name="sums")
+    schedule = tvm.s_tir.Schedule(te.create_prim_func([first, buffer, sums]))
+    i, x, reduction = schedule.get_loops(schedule.get_sblock("sums"))
+    schedule.reorder(i, reduction, x)
+    schedule.parallel(i)
+    schedule.vectorize(x)
+    return schedule.mod
+
+
+def fma_gflop_per_s(target, threads: int, dtype: str = "float32") -> float:
+    """The best of RUNS runs of ``fma_probe`` on ``threads`` threads."""
+    import numpy as np
+    import tvm
+
+    from tvmbert.core.targets import vector_lanes
+
+    tvm_target = target.tvm_target()
+    lanes = vector_lanes(tvm_target, np.dtype(dtype).itemsize * 8)
+    library = tvm.compile(fma_probe(threads, lanes, dtype), target=tvm_target).mod
+    device = tvm.cpu()
+    operands = tvm.runtime.tensor(np.full((2, lanes), 0.5, dtype), device)  # acc tends to 1: no overflow, no denormals
+    out = tvm.runtime.tensor(np.zeros((threads, CHAINS, lanes), dtype), device)
+    seconds = min(library.time_evaluator("main", device, number=1, repeat=RUNS)(operands, out).results)
+    return 2.0 * threads * FMA_STEPS * CHAINS * lanes / seconds / 1e9
+
+
+def memory_gb_per_s(target, megabytes: float = BANDWIDTH_BYTES / 1e6, hot: bool = False) -> float:
+    """The best of RUNS runs of ``row_sums`` over ``megabytes`` on the thread pool's threads, the
+    caches flushed before each run (``hot``: not flushed)."""
+    import numpy as np
+    import tvm
+
+    lanes = max(target.fp32_lanes, 4)
+    rows = max(1, int(megabytes * 1e6 / (BANDWIDTH_COLUMNS * 4)))
+    library = tvm.compile(row_sums(rows, BANDWIDTH_COLUMNS, lanes), target=target.tvm_target()).mod
+    device = tvm.cpu()
+    arrays = [tvm.runtime.tensor(np.zeros(lanes, "float32"), device),
+              tvm.runtime.tensor(np.full((rows, BANDWIDTH_COLUMNS), 1.0, "float32"), device),
+              tvm.runtime.tensor(np.zeros((rows, lanes), "float32"), device)]
+    flush = {} if hot else {"f_preproc": "cache_flush_cpu_non_first_arg"}
+    seconds = min(library.time_evaluator("main", device, number=1, repeat=RUNS, **flush)(*arrays).results)
+    return rows * BANDWIDTH_COLUMNS * 4 / seconds / 1e9
+
+
+def measure(target, threads: int, dtype: str) -> Floor | None:
+    """This machine's floor for ``dtype`` on ``threads`` threads (set_threads first); None where
+    the probe does not apply (a GPU, a dtype it does not run)."""
+    if target.is_gpu or dtype not in FLOOR_DTYPES:
+        return None
+    return Floor(round(fma_gflop_per_s(target, threads, dtype), 1), round(memory_gb_per_s(target), 1), dtype)
