@@ -28,7 +28,7 @@ def main() -> None:
     print("| MB | cold µs | cold GB/s | hot µs | hot GB/s |")
     print("| --- | --- | --- | --- | --- |")
     for megabytes in args.megabytes:
-        cold, hot = (memory_gb_per_s(target, megabytes, hot=hot) for hot in (False, True))
+        cold, hot = (memory_gb_per_s(target, round(megabytes * 1e6), hot=hot) for hot in (False, True))
         print(f"| {megabytes:.1f} | {megabytes * 1e3 / cold:.0f} | {cold:.1f} | {megabytes * 1e3 / hot:.0f} | {hot:.1f} |")
 
 

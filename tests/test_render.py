@@ -13,28 +13,34 @@ def _engine(median_ms, throughput):
             "throughput": throughput, "runs": 10923, "setup_s": 123.4, "memory_mb": 1530.2}
 
 
-def _report():
-    """What `make demo`'s bench reports, with numbers as wide as bert-base's at 8 x 128 beside the demo's."""
-    return {"model": "bert-tiny", "dtype": "float32", "random_weights": [],
-            "environment": {"threads": 2, "target": "llvm-znver4"},
-            "results": [{"batch": 1, "seq_len": 14, "padding": 0.0, "ratio": 0.61, "best_other": "onnxruntime",
-                         "machine_jitter": {"p99_ratio": 1.52},
-                         "engines": {"tvm": _engine(0.19665, 5085.3),
-                                     "torch-compile": _engine(1136.5432, 0.9),
-                                     "onnxruntime": _engine(11.2345, 89.0),
-                                     "openvino-int8": {"skipped": "openvino is not installed"}}}]}
+def _report(bound=None):
+    """What `make demo`'s bench reports, with numbers as wide as bert-base's at 8 x 128 beside the demo's;
+    with ``bound``, the machine's floor and each engine's share of it (none for a quantized peer)."""
+    engines = {"tvm": _engine(0.19665, 5085.3), "torch-compile": _engine(1136.5432, 0.9), "onnxruntime": _engine(11.2345, 89.0),
+               "ort-int8": _engine(9.8765, 101.2), "openvino-int8": {"skipped": "openvino is not installed"}}
+    result = {"batch": 1, "seq_len": 14, "padding": 0.0, "gflop": 0.01, "ratio": 0.61, "best_other": "onnxruntime",
+              "machine_jitter": {"p99_ratio": 1.52}, "engines": engines}
+    report = {"model": "bert-tiny", "dtype": "float32", "random_weights": [], "environment": {"threads": 2, "target": "llvm-znver4"},
+              "floor": None, "results": [result]}
+    if bound:
+        report["floor"] = {"fma_gflop_per_s": 187.3, "memory_gb_per_s": 23.4, "cache_bytes": 2**25, "dtype": "float32"}
+        result.update(floor_ms=0.1234, bound=bound)
+        for name in ("tvm", "torch-compile", "onnxruntime"):
+            engines[name]["of_floor"] = round(0.1234 / engines[name]["median_ms"], 3)
+    return report
 
 
+@pytest.mark.parametrize("bound", [None, "fma", "memory"])
 @pytest.mark.parametrize("width", [80, 60])
-def test_a_bench_table_never_cuts_a_number(monkeypatch, width):
+def test_a_bench_table_never_cuts_a_number(monkeypatch, width, bound):
     screen = io.StringIO()
     monkeypatch.setattr(render, "out", Console(file=screen, width=width, highlight=False, color_system=None))
-    render.bench(_report())
+    render.bench(_report(bound))
     text = screen.getvalue()
 
     assert "…" not in text
     assert max(len(line) for line in text.splitlines()) <= width
-    for name, stats in _report()["results"][0]["engines"].items():
+    for name, stats in _report(bound)["results"][0]["engines"].items():
         assert name in text
         if "skipped" in stats:
             continue
@@ -45,3 +51,9 @@ def test_a_bench_table_never_cuts_a_number(monkeypatch, width):
     assert "openvino is not installed" in text
     if width == 60:
         assert "left out at 60 columns" in text
+    if bound:
+        assert "63%" in text  # tvm's share of the floor, kept at every width
+        assert "floor: 0.123 ms" in " ".join(text.split())
+        assert ("187.3 GFLOP/s" if bound == "fma" else "23.4 GB/s") in " ".join(text.split())
+    else:
+        assert "floor" not in text

@@ -162,7 +162,8 @@ def bench(report):
              "runs": [str(stats["runs"]) for stats in engines],
              "setup s": [f"{stats['setup_s']:.1f}" for stats in engines],
              "memory MB": [f"{stats['memory_mb']:.0f}" for stats in engines],
-             **({"of floor": [f"{stats['of_floor']:.0%}" for stats in engines]} if "floor_ms" in result else {})},
+             **({"of floor": [f"{stats['of_floor']:.0%}" if "of_floor" in stats else "-" for stats in engines]}
+                if "floor_ms" in result else {})},
             drop_first=("memory MB", "setup s", "runs", "p90 ms", "seq/s", "after idle ms")))
         for name, stats in result["engines"].items():
             if "skipped" in stats:

@@ -36,12 +36,9 @@ class ModelSizes:
     intermediate: int
     heads: int
     layers: int
-
-    @property
-    def matmul_weights(self) -> int:
-        """Parameters of the encoder's weight matmuls (Q, K, V, output, the FFN's two) that a call
-        reads at least once: each layer's, or, where layers share them (ALBERT), all the model has."""
-        return min(self.layers * (4 * self.hidden * self.hidden + 2 * self.hidden * self.intermediate), self.weights)
+    # The weight matmuls' distinct weights (Q, K, V, output, the FFN's two; ALBERT's layers share
+    # one set): what a call reads at least once.
+    matmul_weights: int
 
     def flops(self, batch: int, seq: int) -> float:
         """One call's floating-point operations (a multiply-add is two) in the encoder's layers:

@@ -196,8 +196,10 @@ def preset_config(name: str, task: str = DEFAULT_TASK):
 
 @functools.cache
 def sizes(source: ModelSource) -> ModelSizes:
-    """What the memory estimate needs, from the config alone: the model built on torch's meta
-    device (no weights read or allocated) for its parameter count."""
+    """What the memory estimate and bench's floor need, from the config alone: the model built on
+    torch's meta device (no weights read or allocated) for its parameter count, and its weight
+    matmuls' distinct weights (its Linear layers of the encoder's shapes, each once where layers
+    share them)."""
     import torch
     import transformers
 
@@ -209,8 +211,11 @@ def sizes(source: ModelSource) -> ModelSizes:
         model = model_class(source)(config)
     intermediate = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None) or 4 * config.hidden_size
     layers = getattr(config, "num_hidden_layers", None) or config.n_layers  # DistilBERT's config names it n_layers
+    matmul_shapes = {(config.hidden_size, config.hidden_size), (intermediate, config.hidden_size), (config.hidden_size, intermediate)}
+    matmul_weights = {id(m.weight): m.weight.numel() for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) and tuple(m.weight.shape) in matmul_shapes}
     return ModelSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, intermediate, config.num_attention_heads,
-                      layers)
+                      layers, sum(matmul_weights.values()))
 
 
 def model_class(source: ModelSource):

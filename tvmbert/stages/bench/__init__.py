@@ -6,7 +6,8 @@ round so that machine drift hits all of them alike; repeats until both a minimum
 minimum time; medians and percentiles. Sweeps over batch, sequence length and padding.
 
 engines: the engines (registry.ENGINES names them), set up and checked; timing: the timed rounds
-and their statistics; report: CSV, plot and Markdown; inference: the sweep; train: encoder layer
+and their statistics; floor: this machine's FMA peak and memory bandwidth, what each shape's
+time reads against; report: CSV, plot and Markdown; inference: the sweep; train: encoder layer
 0 forward + backward.
 """
 

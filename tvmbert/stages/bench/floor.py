@@ -8,15 +8,19 @@ the ratio between engines says.
 - The memory bandwidth: the rows of a buffer summed by every thread, the caches flushed before
   each run: the rate at which a matmul reads weights it cannot keep in cache.
 
-A shape's floor is the larger of its FLOPs at the peak and its weight matmuls' weights read once
-at the bandwidth. It is given for fp32 and fp64, the arithmetic the probe runs; int8 and bf16 run
-other instructions (``vpmaddubsw``, VNNI, AMX) whose peak this does not measure.
+A shape's floor is the larger of its FLOPs at the peak and, where they do not fit in the last
+level cache (calls back to back keep weights that do), its weight matmuls' weights read once at
+the bandwidth. It is given for fp32 and fp64, the arithmetic the probe runs, and for the engines
+that run it: int8 and bf16 run other instructions (``vpmaddubsw``, VNNI, AMX) whose peak this
+does not measure, and a packed build skips the padding the shape's FLOPs count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from tvmbert.core import registry
 from tvmbert.core.memory import ModelSizes
 
 # Accumulators per thread: at least an FMA's latency times the FMA units (4-5 cycles x 2 on the
@@ -25,6 +29,7 @@ CHAINS = 12
 FMA_STEPS = 400_000  # per run and thread: a few milliseconds, far above the thread pool's start
 BANDWIDTH_BYTES = 64 * 2**20  # above any core's L2, flushed from every cache level before each run
 BANDWIDTH_COLUMNS = 4096
+BANDWIDTH_VECTORS = 4  # accumulators a row: one add chain would bind a thread to its latency, not to memory
 RUNS = 5
 FLOOR_DTYPES = {"float32": 4, "float64": 8}  # the probe's arithmetic, and the weights' bytes
 
@@ -33,18 +38,41 @@ FLOOR_DTYPES = {"float32": 4, "float64": 8}  # the probe's arithmetic, and the w
 class Floor:
     fma_gflop_per_s: float
     memory_gb_per_s: float
+    cache_bytes: int  # the last level cache's
     dtype: str
 
-    def shape(self, sizes: ModelSizes, batch: int, seq: int) -> dict:
+    def shape_ms(self, sizes: ModelSizes, batch: int, seq: int) -> tuple[float, str]:
         """A shape's floor in ms and what binds it ("fma" or "memory")."""
         compute_ms = sizes.flops(batch, seq) / self.fma_gflop_per_s / 1e6
-        memory_ms = sizes.matmul_weights * FLOOR_DTYPES[self.dtype] / self.memory_gb_per_s / 1e6
-        return {"floor_ms": round(max(compute_ms, memory_ms), 3), "bound": "fma" if compute_ms >= memory_ms else "memory"}
+        weight_bytes = sizes.matmul_weights * FLOOR_DTYPES[self.dtype]
+        memory_ms = weight_bytes / self.memory_gb_per_s / 1e6 if weight_bytes > self.cache_bytes else 0.0
+        return max(compute_ms, memory_ms), "fma" if compute_ms >= memory_ms else "memory"
+
+
+def applies_to(engine: str) -> bool:
+    """Whether ``engine`` runs the arithmetic the floor counts: not a quantized peer's, not the
+    packed build's (its padding skipped)."""
+    return registry.ENGINES[engine].quantized is None and engine != "tvm-packed"
+
+
+def last_level_cache_bytes(cpu: int = 0) -> int:
+    """The largest cache ``cpu`` has, as Linux lists them (0 where it does not)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    sizes = []
+    for index in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes, default=0)
 
 
 def fma_probe(threads: int, lanes: int, dtype: str, steps: int = FMA_STEPS):
     """TIR: on each of ``threads`` threads, CHAINS vectors updated ``acc = acc * m + c`` ``steps``
-    times (LLVM contracts each into one FMA), then stored: nothing is loaded in the loop."""
+    times (LLVM contracts each into one FMA where the target has them), then stored: nothing is
+    loaded in the loop."""
     from tvm.script import tirx as T
 
     @T.prim_func(s_tir=True)
@@ -68,8 +96,9 @@ def fma_probe(threads: int, lanes: int, dtype: str, steps: int = FMA_STEPS):
 
 def row_sums(rows: int, columns: int, lanes: int):
     """TIR: ``sums[i, x]`` = the sum over k of ``buffer[i, lanes * k + x]``, rows split over the
-    threads, ``lanes`` vector accumulators a row. Its first argument is unread: TVM's cache flush
-    spares the first argument."""
+    threads, ``lanes`` running sums a row (vectorized: ``lanes`` over the target's vector width
+    independent add chains). Its first argument is unread: TVM's cache flush spares the first
+    argument."""
     import tvm
     from tvm import te
 
@@ -102,14 +131,14 @@ def fma_gflop_per_s(target, threads: int, dtype: str = "float32") -> float:
     return 2.0 * threads * FMA_STEPS * CHAINS * lanes / seconds / 1e9
 
 
-def memory_gb_per_s(target, megabytes: float = BANDWIDTH_BYTES / 1e6, hot: bool = False) -> float:
-    """The best of RUNS runs of ``row_sums`` over ``megabytes`` on the thread pool's threads, the
+def memory_gb_per_s(target, nbytes: int = BANDWIDTH_BYTES, hot: bool = False) -> float:
+    """The best of RUNS runs of ``row_sums`` over ``nbytes`` on the thread pool's threads, the
     caches flushed before each run (``hot``: not flushed)."""
     import numpy as np
     import tvm
 
-    lanes = max(target.fp32_lanes, 4)
-    rows = max(1, int(megabytes * 1e6 / (BANDWIDTH_COLUMNS * 4)))
+    lanes = BANDWIDTH_VECTORS * max(target.fp32_lanes, 4)
+    rows = max(1, round(nbytes / (BANDWIDTH_COLUMNS * 4)))
     library = tvm.compile(row_sums(rows, BANDWIDTH_COLUMNS, lanes), target=target.tvm_target()).mod
     device = tvm.cpu()
     arrays = [tvm.runtime.tensor(np.zeros(lanes, "float32"), device),
@@ -125,4 +154,5 @@ def measure(target, threads: int, dtype: str) -> Floor | None:
     the probe does not apply (a GPU, a dtype it does not run)."""
     if target.is_gpu or dtype not in FLOOR_DTYPES:
         return None
-    return Floor(round(fma_gflop_per_s(target, threads, dtype), 1), round(memory_gb_per_s(target), 1), dtype)
+    return Floor(round(fma_gflop_per_s(target, threads, dtype), 1), round(memory_gb_per_s(target), 1), last_level_cache_bytes(),
+                 dtype)

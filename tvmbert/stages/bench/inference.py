@@ -3,6 +3,7 @@ length, padding), checked then timed together."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -88,13 +89,15 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
     job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
     jitter = measure(timed, options.warmup, options.repeat, options.min_time_s)
-    gflop = sizes(job.source).flops(shape.batch, shape.seq_len) / 1e9  # the whole shape's, padding included: what each engine runs
-    shape_floor = machine_floor.shape(sizes(job.source), shape.batch, shape.seq_len) if machine_floor else {}
+    model_sizes = sizes(job.source)
+    gflop = model_sizes.flops(shape.batch, shape.seq_len) / 1e9  # the whole shape's, padding included: what each engine runs
+    floor_ms, bound = machine_floor.shape_ms(model_sizes, shape.batch, shape.seq_len) if machine_floor else (None, None)
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
         report[engine.name]["gflop_per_s"] = round(gflop / (report[engine.name]["median_ms"] / 1000), 1)
-        if shape_floor:
-            report[engine.name]["of_floor"] = round(shape_floor["floor_ms"] / report[engine.name]["median_ms"], 3)
+        if floor_ms is not None and floor.applies_to(engine.name):
+            report[engine.name]["of_floor"] = round(floor_ms / report[engine.name]["median_ms"], 3)
+    shape_floor = {"floor_ms": round(floor_ms, 3), "bound": bound} if floor_ms is not None else {}
     ordered = {name: report[name] for name in engine_names if name in report}
     return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "gflop": round(gflop, 2), **shape_floor,
             "engines": ordered,
@@ -149,8 +152,7 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
     drawn = sorted({name for result in results for name in result.pop("random_weights")})
     report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn,
               "environment": environment(job, threads),
-              "floor": {"fma_gflop_per_s": machine_floor.fma_gflop_per_s, "memory_gb_per_s": machine_floor.memory_gb_per_s,
-                        "dtype": machine_floor.dtype} if machine_floor else None,
+              "floor": dataclasses.asdict(machine_floor) if machine_floor else None,
               "engine_dtypes": engine_dtypes(job.config.dtype, engines, job.target.is_gpu), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})

@@ -85,8 +85,9 @@ def to_markdown(report: dict, command: str) -> str:
         if machine_floor:
             lines[-1] += (f" The floor: the larger of the FLOPs at this machine's {machine_floor['dtype']} FMA peak "
                           f"({machine_floor['fma_gflop_per_s']:.1f} GFLOP/s, register-only, on every thread) and the weight "
-                          f"matmuls' weights read once at its memory bandwidth ({machine_floor['memory_gb_per_s']:.1f} GB/s); "
-                          "in brackets, each engine's share of it (floor / median).")
+                          f"matmuls' weights read once at its memory bandwidth ({machine_floor['memory_gb_per_s']:.1f} GB/s) where "
+                          "they do not fit in its last level cache; in brackets, the share of it each engine that runs that "
+                          "arithmetic reaches (floor / median).")
         floor_column = machine_floor and all("floor_ms" in result for result in report["results"])
         lines += ["", "| batch x seq | GFLOP | " + ("floor ms | " if floor_column else "") + " | ".join(names) + " |",
                   "| --- | --- | " + ("--- | " if floor_column else "") + " | ".join("---" for _ in names) + " |"]
@@ -96,6 +97,6 @@ def to_markdown(report: dict, command: str) -> str:
                 stats = result["engines"].get(name, {})
                 rate = f"{stats['gflop_per_s']:.1f}" if "gflop_per_s" in stats else "-"
                 rates.append(rate + (f" ({stats['of_floor']:.0%})" if "of_floor" in stats else ""))
-            floor_cell = f"{result['floor_ms']:.1f} ({result['bound']}) | " if floor_column else ""
+            floor_cell = f"{result['floor_ms']:.4g} ({result['bound']}) | " if floor_column else ""
             lines.append(f"| {result['batch']} x {result['seq_len']} | {result['gflop']:.2f} | {floor_cell}" + " | ".join(rates) + " |")
     return "\n".join(lines) + "\n"
