@@ -23,8 +23,8 @@ def _report(bound=None):
     report = {"model": "bert-tiny", "dtype": "float32", "random_weights": [], "environment": {"threads": 2, "target": "llvm-znver4"},
               "floor": None, "results": [result]}
     if bound:
-        report["floor"] = {"fma_gflop_per_s": 187.3, "memory_gb_per_s": 23.4, "cache_bytes": 2**25, "dtype": "float32"}
-        result.update(floor_ms=0.1234, bound=bound)
+        report["floor"] = {"fma_gflop_per_s": 190.1, "memory_gb_per_s": 23.4, "cache_bytes": 2**25, "dtype": "float32"}
+        result.update(fma_gflop_per_s=187.3, floor_ms=0.1234, bound=bound)
         for name in ("tvm", "torch-compile", "onnxruntime"):
             engines[name]["of_floor"] = round(0.1234 / engines[name]["median_ms"], 3)
     return report

@@ -173,9 +173,9 @@ def bench(report):
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")
         if "floor_ms" in result:
             machine_floor = report["floor"]
-            bound = (f"{result['gflop']:.2f} GFLOP at the {machine_floor['dtype']} FMA peak, {machine_floor['fma_gflop_per_s']:.1f} GFLOP/s"
+            bound = (f"{result['gflop']:.2f} GFLOP at the {machine_floor['dtype']} FMA peak, {result['fma_gflop_per_s']:.1f} GFLOP/s"
                      if result["bound"] == "fma" else f"the weights read once at {machine_floor['memory_gb_per_s']:.1f} GB/s")
-            out.print(f"[dim]floor: {result['floor_ms']:.3f} ms ({bound}, measured here); of floor: floor / median[/dim]")
+            out.print(f"[dim]floor: {result['floor_ms']:.3f} ms ({bound}, measured between the rounds); of floor: floor / median[/dim]")
         if result.get("packed_speedup"):
             out.print(f"tvm (padded) median / tvm-packed's: {result['packed_speedup']:.2f}")
         machine_jitter(result["machine_jitter"])

@@ -4,7 +4,8 @@ the ratio between engines says.
 
 - The FMA peak: independent chains of vector FMAs held in registers on every thread (no loads),
   built by TVM for the job's target. It is the rate of the arithmetic the weight matmuls are made
-  of; the best of a few runs, as a busy machine only lowers it.
+  of. Measured first (the best of a few runs), then between the engines' rounds: a shape's floor
+  is at its median there, the clock the engines ran at.
 - The memory bandwidth: the rows of a buffer summed by every thread, the caches flushed before
   each run: the rate at which a matmul reads weights it cannot keep in cache.
 
@@ -17,6 +18,7 @@ does not measure, and a packed build skips the padding the shape's FLOPs count.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,21 +116,34 @@ def row_sums(rows: int, columns: int, lanes: int):
     return schedule.mod
 
 
-def fma_gflop_per_s(target, threads: int, dtype: str = "float32") -> float:
-    """The best of RUNS runs of ``fma_probe`` on ``threads`` threads."""
-    import numpy as np
-    import tvm
+class FmaProbe:
+    """``fma_probe`` built once and called between the engines' rounds: each call's rate, in
+    ``rates``, is the peak as the engines meet it at that moment (a shared machine's clock moves
+    within minutes: 80 and 95 GFLOP/s on the same 2 cores within the hour)."""
 
-    from tvmbert.core.targets import vector_lanes
+    def __init__(self, target, threads: int, dtype: str):
+        import numpy as np
+        import tvm
 
-    tvm_target = target.tvm_target()
-    lanes = vector_lanes(tvm_target, np.dtype(dtype).itemsize * 8)
-    library = tvm.compile(fma_probe(threads, lanes, dtype), target=tvm_target).mod
-    device = tvm.cpu()
-    operands = tvm.runtime.tensor(np.full((2, lanes), 0.5, dtype), device)  # acc tends to 1: no overflow, no denormals
-    out = tvm.runtime.tensor(np.zeros((threads, CHAINS, lanes), dtype), device)
-    seconds = min(library.time_evaluator("main", device, number=1, repeat=RUNS)(operands, out).results)
-    return 2.0 * threads * FMA_STEPS * CHAINS * lanes / seconds / 1e9
+        from tvmbert.core.targets import vector_lanes
+
+        tvm_target = target.tvm_target()
+        lanes = vector_lanes(tvm_target, np.dtype(dtype).itemsize * 8)
+        self.library = tvm.compile(fma_probe(threads, lanes, dtype), target=tvm_target).mod
+        device = tvm.cpu()
+        self.operands = tvm.runtime.tensor(np.full((2, lanes), 0.5, dtype), device)  # acc tends to 1: no overflow, no denormals
+        self.out = tvm.runtime.tensor(np.zeros((threads, CHAINS, lanes), dtype), device)
+        self.flops = 2.0 * threads * FMA_STEPS * CHAINS * lanes
+        self.rates: list[float] = []
+
+    def __call__(self) -> float:
+        """One timed run, after an untimed one that wakes the thread pool."""
+        self.library(self.operands, self.out)
+        started = time.perf_counter()
+        self.library(self.operands, self.out)
+        rate = self.flops / (time.perf_counter() - started) / 1e9
+        self.rates.append(rate)
+        return rate
 
 
 def memory_gb_per_s(target, nbytes: int = BANDWIDTH_BYTES, hot: bool = False) -> float:
@@ -149,10 +164,13 @@ def memory_gb_per_s(target, nbytes: int = BANDWIDTH_BYTES, hot: bool = False) ->
     return rows * BANDWIDTH_COLUMNS * 4 / seconds / 1e9
 
 
-def measure(target, threads: int, dtype: str) -> Floor | None:
-    """This machine's floor for ``dtype`` on ``threads`` threads (set_threads first); None where
-    the probe does not apply (a GPU, a dtype it does not run)."""
+def measure(target, threads: int, dtype: str) -> tuple[Floor, FmaProbe] | None:
+    """This machine's floor for ``dtype`` on ``threads`` threads (set_threads first), its FMA peak
+    the best of RUNS probe runs, and the probe for the rounds; None where the probe does not apply
+    (a GPU, a dtype it does not run)."""
     if target.is_gpu or dtype not in FLOOR_DTYPES:
         return None
-    return Floor(round(fma_gflop_per_s(target, threads, dtype), 1), round(memory_gb_per_s(target), 1), last_level_cache_bytes(),
-                 dtype)
+    probe = FmaProbe(target, threads, dtype)
+    peak = max(probe() for _ in range(RUNS))
+    probe.rates.clear()
+    return Floor(round(peak, 1), round(memory_gb_per_s(target), 1), last_level_cache_bytes(), dtype), probe

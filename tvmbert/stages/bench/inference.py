@@ -49,9 +49,11 @@ def padded_inputs(job: Job, padding: float) -> tuple:
     return inputs
 
 
-def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: int, machine_floor: floor.Floor | None) -> dict:
+def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: int,
+                machine_floor: tuple[floor.Floor, floor.FmaProbe] | None) -> dict:
     """One shape: every engine set up, checked, then timed together; with ``machine_floor`` (fp32
-    and fp64 on a CPU), the shape's floor and each engine's share of it."""
+    and fp64 on a CPU), the FMA probe timed between their rounds, the shape's floor at its median
+    rate and each engine's share of it."""
     options = job.config.bench
     inputs = padded_inputs(job, shape.padding)
     mask = inputs[job.inputs.names.index("attention_mask")].numpy()
@@ -88,16 +90,22 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             timed.append(engine)
     job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
-    jitter = measure(timed, options.warmup, options.repeat, options.min_time_s)
+    start_floor, probe = machine_floor or (None, None)
+    if probe:
+        probe.rates.clear()
+    jitter = measure(timed, options.warmup, options.repeat, options.min_time_s, between_rounds=probe)
     model_sizes = sizes(job.source)
     gflop = model_sizes.flops(shape.batch, shape.seq_len) / 1e9  # the whole shape's, padding included: what each engine runs
-    floor_ms, bound = machine_floor.shape_ms(model_sizes, shape.batch, shape.seq_len) if machine_floor else (None, None)
+    floor_ms, bound, shape_floor = None, None, {}
+    if start_floor and probe.rates:  # (no rounds where no engine passed its check)
+        peak = float(np.median(probe.rates))
+        floor_ms, bound = dataclasses.replace(start_floor, fma_gflop_per_s=peak).shape_ms(model_sizes, shape.batch, shape.seq_len)
+        shape_floor = {"fma_gflop_per_s": round(peak, 1), "floor_ms": round(floor_ms, 3), "bound": bound}
     for engine in timed:
         report[engine.name] = _summary(engine, shape.batch)
         report[engine.name]["gflop_per_s"] = round(gflop / (report[engine.name]["median_ms"] / 1000), 1)
         if floor_ms is not None and floor.applies_to(engine.name):
             report[engine.name]["of_floor"] = round(floor_ms / report[engine.name]["median_ms"], 3)
-    shape_floor = {"floor_ms": round(floor_ms, 3), "bound": bound} if floor_ms is not None else {}
     ordered = {name: report[name] for name in engine_names if name in report}
     return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "gflop": round(gflop, 2), **shape_floor,
             "engines": ordered,
@@ -140,7 +148,7 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
         engines = ("tvm", *engines)
     threads = job.config.bench.threads or cpu_count()
     set_threads(threads)
-    machine_floor = floor.measure(job.target, threads, job.config.dtype)  # before any engine: on a quiet process
+    machine_floor = floor.measure(job.target, threads, job.config.dtype)  # first, on a quiet process
     results = []
     for batch in batches or (job.config.batch,):
         for seq_len in seq_lens or (job.config.seq_len,):
@@ -152,7 +160,7 @@ def bench(job: Job, batches: tuple[int, ...] = (), seq_lens: tuple[int, ...] = (
     drawn = sorted({name for result in results for name in result.pop("random_weights")})
     report = {"model": job.source.name, "dtype": job.config.dtype, "random_weights": drawn,
               "environment": environment(job, threads),
-              "floor": dataclasses.asdict(machine_floor) if machine_floor else None,
+              "floor": dataclasses.asdict(machine_floor[0]) if machine_floor else None,
               "engine_dtypes": engine_dtypes(job.config.dtype, engines, job.target.is_gpu), "results": results}
     if len(results) == 1:  # one shape: its numbers at the top level too
         report.update({k: results[0][k] for k in ("engines", "ratio", "best_other", "speedup", "packed_speedup")})

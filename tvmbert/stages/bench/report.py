@@ -84,7 +84,8 @@ def to_markdown(report: dict, command: str) -> str:
         lines += ["", "GFLOP/s: each shape's encoder FLOPs (a multiply-add is two) over each median."]
         if machine_floor:
             lines[-1] += (f" The floor: the larger of the FLOPs at this machine's {machine_floor['dtype']} FMA peak "
-                          f"({machine_floor['fma_gflop_per_s']:.1f} GFLOP/s, register-only, on every thread) and the weight "
+                          f"(register-only, on every thread: {machine_floor['fma_gflop_per_s']:.1f} GFLOP/s at the start, each "
+                          "shape's the median of its runs between the engines' rounds) and the weight "
                           f"matmuls' weights read once at its memory bandwidth ({machine_floor['memory_gb_per_s']:.1f} GB/s) where "
                           "they do not fit in its last level cache; in brackets, the share of it each engine that runs that "
                           "arithmetic reaches (floor / median).")
@@ -97,6 +98,7 @@ def to_markdown(report: dict, command: str) -> str:
                 stats = result["engines"].get(name, {})
                 rate = f"{stats['gflop_per_s']:.1f}" if "gflop_per_s" in stats else "-"
                 rates.append(rate + (f" ({stats['of_floor']:.0%})" if "of_floor" in stats else ""))
-            floor_cell = f"{result['floor_ms']:.4g} ({result['bound']}) | " if floor_column else ""
+            floor_cell = (f"{result['floor_ms']:.4g} ({result['bound']}, {result['fma_gflop_per_s']:.1f} GFLOP/s) | "
+                          if floor_column else "")
             lines.append(f"| {result['batch']} x {result['seq_len']} | {result['gflop']:.2f} | {floor_cell}" + " | ".join(rates) + " |")
     return "\n".join(lines) + "\n"

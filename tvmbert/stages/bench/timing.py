@@ -8,6 +8,7 @@ import gc
 import hashlib
 import platform
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -88,17 +89,20 @@ def collector_off():
             gc.enable()
 
 
-def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float) -> dict:
+def measure(engines: list[Engine], warmup: int, repeat: int, min_time_s: float,
+            between_rounds: Callable[[], object] | None = None) -> dict:
     """Rounds per engine until every engine has enough: each starts once the previous engine's
     threads are quiet, with untimed calls that wake this engine's own (what a user calling it
     back to back never pays), then timed calls (ROUND_S, ROUND_RUNS). Then each engine's latency
-    after idle. The garbage collector runs between rounds, never inside one. Returns the
-    machine's jitter in the same rounds (``jitter_summary``)."""
+    after idle. The garbage collector runs between rounds, never inside one. ``between_rounds``
+    is called after each pass over the engines, once their threads are quiet: a probe of the
+    machine (bench's floor) timed in the same rounds. Returns the machine's jitter in the same
+    rounds (``jitter_summary``)."""
     for engine in engines:
         for _ in range(warmup):
             engine.run()
     with engines_objects_frozen():
-        jitter_ms = _rounds(engines, repeat, min_time_s)
+        jitter_ms = _rounds(engines, repeat, min_time_s, between_rounds)
         for _ in range(IDLE_RUNS):
             for engine in engines:
                 gc.collect()
@@ -118,7 +122,7 @@ def jitter_summary(jitter_ms: list[float]) -> dict:
             "runs": len(values)}
 
 
-def _rounds(engines: list[Engine], repeat: int, min_time_s: float) -> list[float]:
+def _rounds(engines: list[Engine], repeat: int, min_time_s: float, between_rounds: Callable[[], object] | None) -> list[float]:
     """The engines' rounds; returns the jitter task's timings, a few after each round."""
     block = bytes(JITTER_BYTES)
     jitter_ms = []
@@ -146,6 +150,11 @@ def _rounds(engines: list[Engine], repeat: int, min_time_s: float) -> list[float
                     hashlib.sha256(block).digest()
                     jitter_ms.append((time.perf_counter() - started) * 1000.0)
             spent[engine.name] += timed
+        if between_rounds is not None:
+            gc.collect()
+            wait_until_quiet()
+            with collector_off():
+                between_rounds()
     return jitter_ms
 
 
