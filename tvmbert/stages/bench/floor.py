@@ -1,5 +1,5 @@
 """This machine's floors, measured where bench runs, so that each engine's time reads against what
-the machine allows: an engine at 95% of a shape's floor has nothing left to win there, whatever
+the machine allows: an engine at 95% of a shape's floor has at most 5% left to win there, whatever
 the ratio between engines says.
 
 - The FMA peak: independent chains of vector FMAs held in registers on every thread (no loads),
