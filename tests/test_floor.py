@@ -55,7 +55,7 @@ def test_the_floor_is_measured_here_for_fp32_and_fp64_only():
     lanes = HOST_TARGET.fp32_lanes or 4
     # At most 2 FMA units of the widest vectors at 6 GHz: a rate above it counts FLOPs the probe does not do.
     assert 1 < single.fma_gflop_per_s < lanes * 2 * 2 * 6 and single.memory_gb_per_s > 0.5 and single.dtype == "float32"
-    assert probe.rates == [] and 1 < probe() < lanes * 2 * 2 * 6 and len(probe.rates) == 1  # the rounds' probe, its rates its own
+    assert 1 < probe() < lanes * 2 * 2 * 6  # the probe for the rounds: one run's rate
     double, _ = floor.measure(HOST_TARGET, 1, "float64")
     assert double.dtype == "float64" and double.fma_gflop_per_s < single.fma_gflop_per_s
     assert single.cache_bytes == floor.last_level_cache_bytes() > 0

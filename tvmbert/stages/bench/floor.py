@@ -117,9 +117,9 @@ def row_sums(rows: int, columns: int, lanes: int):
 
 
 class FmaProbe:
-    """``fma_probe`` built once and called between the engines' rounds: each call's rate, in
-    ``rates``, is the peak as the engines meet it at that moment (a shared machine's clock moves
-    within minutes: 80 and 95 GFLOP/s on the same 2 cores within the hour)."""
+    """``fma_probe`` built once and called between the engines' rounds: each call's rate is the
+    peak as the engines meet it at that moment (a shared machine's clock moves within minutes: 80
+    and 95 GFLOP/s on the same 2 cores within the hour)."""
 
     def __init__(self, target, threads: int, dtype: str):
         import numpy as np
@@ -134,16 +134,13 @@ class FmaProbe:
         self.operands = tvm.runtime.tensor(np.full((2, lanes), 0.5, dtype), device)  # acc tends to 1: no overflow, no denormals
         self.out = tvm.runtime.tensor(np.zeros((threads, CHAINS, lanes), dtype), device)
         self.flops = 2.0 * threads * FMA_STEPS * CHAINS * lanes
-        self.rates: list[float] = []
 
     def __call__(self) -> float:
         """One timed run, after an untimed one that wakes the thread pool."""
         self.library(self.operands, self.out)
         started = time.perf_counter()
         self.library(self.operands, self.out)
-        rate = self.flops / (time.perf_counter() - started) / 1e9
-        self.rates.append(rate)
-        return rate
+        return self.flops / (time.perf_counter() - started) / 1e9
 
 
 def memory_gb_per_s(target, nbytes: int = BANDWIDTH_BYTES, hot: bool = False) -> float:
@@ -172,5 +169,4 @@ def measure(target, threads: int, dtype: str) -> tuple[Floor, FmaProbe] | None:
         return None
     probe = FmaProbe(target, threads, dtype)
     peak = max(probe() for _ in range(RUNS))
-    probe.rates.clear()
     return Floor(round(peak, 1), round(memory_gb_per_s(target), 1), last_level_cache_bytes(), dtype), probe

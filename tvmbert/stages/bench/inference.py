@@ -91,14 +91,14 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
     job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
     start_floor, probe = machine_floor or (None, None)
-    if probe:
-        probe.rates.clear()
-    jitter = measure(timed, options.warmup, options.repeat, options.min_time_s, between_rounds=probe)
+    rates = []  # the probe's, between this shape's rounds
+    jitter = measure(timed, options.warmup, options.repeat, options.min_time_s,
+                     between_rounds=(lambda: rates.append(probe())) if probe else None)
     model_sizes = sizes(job.source)
     gflop = model_sizes.flops(shape.batch, shape.seq_len) / 1e9  # the whole shape's, padding included: what each engine runs
     floor_ms, bound, shape_floor = None, None, {}
-    if start_floor and probe.rates:  # (no rounds where no engine passed its check)
-        peak = float(np.median(probe.rates))
+    if start_floor and rates:  # (no rounds where no engine passed its check)
+        peak = float(np.median(rates))
         floor_ms, bound = dataclasses.replace(start_floor, fma_gflop_per_s=peak).shape_ms(model_sizes, shape.batch, shape.seq_len)
         shape_floor = {"fma_gflop_per_s": round(peak, 1), "floor_ms": round(floor_ms, 3), "bound": bound}
     for engine in timed:
