@@ -126,6 +126,8 @@ def test_code_for_a_cpu_this_one_lacks_is_compiled_but_never_run(tvmbert):
     missing = targets.missing_host_features(built.json["target"])
     assert missing
     assert_one_line_error(tvmbert("verify", "bert-tiny", "--target", target), "illegal instruction", missing[0], "--target llvm")
+    # bench's floor probes are built for the target too, and run before any engine.
+    assert_one_line_error(tvmbert("bench", "bert-tiny", "--target", target, "--engines", "tvm"), "illegal instruction", missing[0])
     import torch
 
     from tvmbert import InputError, add_tvm_dispatch

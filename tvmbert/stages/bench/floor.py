@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tvmbert.core import registry
 from tvmbert.core.memory import ModelSizes
+from tvmbert.deploy.loader import check_cpu
 
 # Accumulators per thread: at least an FMA's latency times the FMA units (4-5 cycles x 2 on the
 # x86 cores seen here), and with the multiplier and addend within AVX2's 16 vector registers.
@@ -164,9 +165,11 @@ def memory_gb_per_s(target, nbytes: int = BANDWIDTH_BYTES, hot: bool = False) ->
 def measure(target, threads: int, dtype: str) -> tuple[Floor, FmaProbe] | None:
     """This machine's floor for ``dtype`` on ``threads`` threads (set_threads first), its FMA peak
     the best of RUNS probe runs, and the probe for the rounds; None where the probe does not apply
-    (a GPU, a dtype it does not run)."""
+    (a GPU, a dtype it does not run). The probes are built for ``target``: refused, as the model's
+    library would be, where this CPU lacks an instruction set it allows (SIGILL, not an error)."""
     if target.is_gpu or dtype not in FLOOR_DTYPES:
         return None
+    check_cpu("bench", target.config)
     probe = FmaProbe(target, threads, dtype)
     peak = max(probe() for _ in range(RUNS))
     return Floor(round(peak, 1), round(memory_gb_per_s(target), 1), last_level_cache_bytes(), dtype), probe
