@@ -32,7 +32,7 @@ def _first_cpu(candidates, runnable: bool) -> str | None:
 # A CPU this host runs code for, whose records and builds live under another key.
 OTHER_CPU = _first_cpu(("skylake-avx512", "haswell", "x86-64-v3"), runnable=True)
 # A CPU with an instruction set this host lacks: code for it is only ever compiled here, never run.
-UNRUNNABLE_CPU = _first_cpu(("sapphirerapids", "znver5", "skylake-avx512"), runnable=False)
+UNRUNNABLE_CPU = _first_cpu(("diamondrapids", "sapphirerapids", "znver5", "skylake-avx512"), runnable=False)
 HOST_AMX = HOST_TARGET.has_amx_bf16  # --dtype bfloat16 builds for this CPU (refused without AMX-BF16, or where this process cannot have AMX)
 HOST_AMX_INT8 = HOST_TARGET.has_amx_int8  # --dtype int8's weight matmuls run on AMX here
 if HOST_AMX or HOST_AMX_INT8:  # tests that call an AMX kernel themselves, not through the loader, need it too

@@ -114,8 +114,9 @@ def test_a_simulated_host_never_runs_what_the_real_cpu_lacks(present_host):
     assert "avx2" in targets.missing_host_features({"kind": "llvm", "mcpu": "haswell"})
     if hosts.real_flags() and "avx2" not in hosts.real_flags():
         pytest.skip("this CPU has no AVX2: the rest presents a host with more than it has")
-    present_host("zen1:" + " ".join(hosts.KNOWN_HOSTS["zen1"].flags - {"avx2"}))
-    assert targets.missing_host_features({"kind": "llvm", "mcpu": "haswell"}) == ["avx2"]
+    present_host("znver1:" + " ".join(hosts.KNOWN_HOSTS["zen1"].flags - {"avx2"}))
+    assert targets.missing_host_features({"kind": "llvm", "mcpu": "x86-64-v3"}) == ["avx2"]
+    assert targets.missing_host_features({"kind": "llvm", "mcpu": "haswell"}) == ["avx2", "invpcid"]  # Zen 1 has no INVPCID
 
 
 @pytest.mark.parametrize("value, fragment", [("nonsense", "give a known host"), (":avx2", "give a known host")])

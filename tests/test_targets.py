@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tvmbert.core import targets
+from tvmbert.core import hosts, targets
 from tvmbert.core.errors import InputError, ToolchainError
 
 from helpers import UNRUNNABLE_CPU, assert_one_line_error
@@ -134,3 +136,52 @@ def test_code_for_a_cpu_this_one_lacks_is_compiled_but_never_run(tvmbert):
 
     with pytest.raises(InputError, match="illegal instruction"):
         add_tvm_dispatch(torch.nn.Linear(4, 4), torch.ones(2, 4), target=target)
+
+
+# LLVM's x86 tuning features, read one by one off X86.td for the LLVM of TVM 0.27's wheel: none
+# changes which instructions code may hold. TUNING_FEATURES must name exactly these: a newer
+# LLVM's feature it takes for tuning fails here until someone has read what it is.
+AUDITED_TUNING = {
+    "64bit-mode", "allow-light-256-bit", "branchfusion", "ermsb", "false-deps-getmant", "false-deps-lzcnt-tzcnt",
+    "false-deps-mulc", "false-deps-mullq", "false-deps-perm", "false-deps-popcnt", "false-deps-range", "fast-11bytenop",
+    "fast-15bytenop", "fast-7bytenop", "fast-bextr", "fast-dpwssd", "fast-gather", "fast-hops", "fast-imm16", "fast-lzcnt",
+    "fast-movbe", "fast-scalar-fsqrt", "fast-scalar-shift-masks", "fast-shld-rotate", "fast-variable-crosslane-shuffle",
+    "fast-variable-perlane-shuffle", "fast-vector-fsqrt", "fast-vector-shift-masks", "faster-shift-than-shuffle", "fsrm",
+    "idivl-to-divb", "idivq-to-divl", "lea-sp", "lea-uses-ag", "macrofusion", "no-bypass-delay", "no-bypass-delay-blend",
+    "no-bypass-delay-mov", "no-bypass-delay-shuffle", "pad-short-functions", "prefer-256-bit", "prefer-mask-registers",
+    "prefer-movmsk-over-vtest", "sbb-dep-breaking", "slow-3ops-lea", "slow-incdec", "slow-lea", "slow-pmaddwd", "slow-pmulld",
+    "slow-pmullq", "slow-shld", "slow-two-mem-ops", "slow-unaligned-mem-16", "slow-unaligned-mem-32",
+    "tuning-fast-imm-vector-shift", "use-glm-div-sqrt-costs", "use-slm-arith-costs", "vzeroupper",
+}
+
+
+def _every_x86_cpu() -> dict[str, frozenset[str]]:
+    """Every CPU name LLVM knows for x86-64, with every LLVM feature it attaches."""
+    import tvm
+    from tvm.target import codegen
+
+    names = codegen.llvm_get_cpu_archlist(tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-unknown-linux-gnu"}))
+    return {str(cpu): targets._llvm_features(json.dumps({"kind": "llvm", "mcpu": str(cpu)}, sort_keys=True)) for cpu in names}
+
+
+def test_no_cpu_llvm_knows_passes_where_the_host_lacks_one_of_its_instructions(present_host):
+    """Deny by default: on every known host (as it is, and as far as this CPU has its flags), every
+    CPU name LLVM knows either is refused or holds no instruction feature the host's own target
+    lacks (every feature but the audited tuning ones, whatever its name: APX's egpr, avx10.2,
+    movrs...); the host's own target always passes."""
+    cpus = _every_x86_cpu()
+    every_feature = frozenset().union(*cpus.values())
+    assert {f for f in every_feature if targets.TUNING_FEATURES.fullmatch(f)} == AUDITED_TUNING
+    for name, known in hosts.KNOWN_HOSTS.items():
+        host = hosts.Host(known.llvm_cpu, known.flags)  # as it is on its own machine
+        own = {"kind": "llvm", **targets.config_for_host(host)}
+        assert not targets.instruction_features(own) - targets.runnable_features(host), name
+        has = targets._llvm_features(json.dumps(own, sort_keys=True))
+        for cpu, features in cpus.items():
+            passes = not targets.instruction_features({"kind": "llvm", "mcpu": cpu}) - targets.runnable_features(host)
+            assert not passes or features - has <= AUDITED_TUNING, (name, cpu, sorted(features - has - AUDITED_TUNING))
+        if hosts.real_flags():
+            present_host(f"{known.llvm_cpu}:{' '.join(known.flags & hosts.real_flags())}")  # runs here: its own target passes
+            assert targets.missing_host_features(targets.resolve("llvm").config) == [], name
+    present_host("sapphirerapids")
+    assert {"egpr", "ndd", "avx10.2", "movrs", "amx-fp8"} <= set(targets.missing_host_features({"kind": "llvm", "mcpu": "diamondrapids"}))

@@ -109,8 +109,12 @@ def parse(text: str) -> Host:
 def current() -> Host:
     """The host every 'this CPU' decision reads: TVMBERT_HOST's when set, else this machine's."""
     presented = os.environ.get(HOST_VARIABLE)
-    if presented:
-        return parse(presented)
+    return parse(presented) if presented else real()
+
+
+@lru_cache(maxsize=1)
+def real() -> Host:
+    """This machine's CPU, whatever TVMBERT_HOST presents: what code run in this process is bounded by."""
     import tvm
 
     detected = str(tvm.target.codegen.llvm_get_system_cpu())

@@ -175,10 +175,9 @@ def use_every_core() -> None:
 
 
 # x86 instruction sets LLVM may emit anywhere in code for a target that enables them (it
-# vectorizes with what it is given), and the flag /proc/cpuinfo shows for each: what a library
-# needs of the CPU that runs it, and what a host's database key names. AMX is not here: LLVM never
-# emits it on its own, and a library with our AMX kernels asks the kernel for it before it loads
-# (deploy/loader.py).
+# vectorizes with what it is given), and the flag /proc/cpuinfo shows for each: what a host's
+# database key names. What a library needs of the CPU that runs it is every instruction feature
+# (``instruction_features``), not only these.
 INSTRUCTION_SETS = {
     "sse3": "pni", "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "popcnt": "popcnt", "avx": "avx",
     "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2", "lzcnt": "abm", "movbe": "movbe",
@@ -194,6 +193,14 @@ HOST_FEATURES = {
     "vpclmulqdq": "vpclmulqdq", "aes": "aes", "pclmul": "pclmulqdq", "sha": "sha_ni", "adx": "adx",
     AMX_TILE: "amx_tile", AMX_BF16: "amx_bf16", AMX_INT8: "amx_int8",
 }
+# LLVM's tuning features (X86.td's Tuning* definitions: fast-gather, slow-shld, prefer-256-bit,
+# false-deps-popcnt, macrofusion, ermsb, ...) change how code is chosen and scheduled, never which
+# instructions it may hold, and 64bit-mode is the mode every x86-64 target runs in. Every other
+# feature LLVM attaches to a CPU is taken for an instruction set, whatever its name: one a newer
+# LLVM adds (APX's egpr, avx10.2, movrs) is refused where the host lacks it, never run on trust.
+TUNING_FEATURES = re.compile(r"(fast|faster|slow|false-deps|prefer|tuning|no-bypass-delay|use|lea|idivl-to|idivq-to)-.+"
+                             r"|no-bypass-delay|macrofusion|branchfusion|vzeroupper|ermsb|fsrm|pad-short-functions"
+                             r"|sbb-dep-breaking|allow-light-256-bit|64bit-mode")
 GENERIC_CPUS = ("generic", "x86-64")  # LLVM's names when CPUID tells it nothing: the flags pick an x86-64 level
 X86_64_LEVELS = ("x86-64-v4", "x86-64-v3", "x86-64-v2")
 WITHOUT, WITH = "_no-", "_with-"  # a host key's parts after the CPU name: llvm-znver4_no-avx512f
@@ -265,34 +272,55 @@ def describe_config(config: dict) -> str:
 
 
 def missing_host_features(config: dict, amx_kernels: bool = False) -> list[str]:
-    """The instruction sets code compiled for ``config`` may use and this CPU lacks, by LLVM's
-    names: code built for them dies on SIGILL here. With ``amx_kernels`` (the library holds our
-    AMX kernels), ``amx-tile`` too where this process cannot have AMX (``host_grants_amx``).
-    Empty for GPU targets, other architectures, and hosts whose flags cannot be read."""
+    """The instruction features (``instruction_features``) code compiled for ``config`` may use
+    and this host's own target lacks (``runnable_features``), by LLVM's names: code built for them
+    may die on SIGILL here, so any one refuses it. With ``amx_kernels`` (the library holds our AMX
+    kernels), ``amx-tile`` too where this process cannot have AMX (``host_grants_amx``). Empty
+    for GPU targets and other architectures."""
     triple = str(config.get("mtriple") or "x86_64")
     if config.get("kind") != "llvm" or not triple.startswith("x86_64"):
         return []
-    amx = [AMX_TILE] if amx_kernels and not host_grants_amx() else []
-    flags = hosts.runnable_flags()
-    if not flags or platform.machine() not in ("x86_64", "AMD64"):
-        return amx
-    return sorted(name for name in compiled_instruction_sets(config) if INSTRUCTION_SETS[name] not in flags) + amx
+    amx = {AMX_TILE} if amx_kernels and not host_grants_amx() else set()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return sorted(amx)
+    return sorted(instruction_features(config) - runnable_features(hosts.current()) | amx)
+
+
+@lru_cache(maxsize=32)
+def runnable_features(host: hosts.Host) -> frozenset[str]:
+    """The instruction features code may use on ``host``: its own target's (``config_for_host``,
+    what --target llvm builds for there), compared as LLVM's feature sets, not as /proc/cpuinfo's
+    flags: LLVM knows instruction sets no flag table lists. A simulated host is bounded by this
+    machine's CPU too, as far as flags say (HOST_FEATURES): LLVM's name of this CPU would refuse
+    the instructions a presented CPU's name carries beyond it (a Zen's clzero on an Intel), which
+    LLVM never emits on its own."""
+    runnable = instruction_features({"kind": "llvm", **config_for_host(host)})
+    real = hosts.real_flags()
+    if host.simulated and real:
+        runnable -= {feature for feature, flag in HOST_FEATURES.items() if flag not in real}
+    return runnable
+
+
+def instruction_features(config: dict) -> frozenset[str]:
+    """LLVM's features of an llvm target less its tuning ones (TUNING_FEATURES): what code compiled
+    for it may hold, and a CPU that runs it must have."""
+    return frozenset(f for f in _llvm_features(json.dumps(config, sort_keys=True)) if not TUNING_FEATURES.fullmatch(f))
 
 
 def compiled_instruction_sets(config: dict) -> frozenset[str]:
-    """The checked instruction sets (INSTRUCTION_SETS) code compiled for an llvm target may use."""
-    return _compiled_instruction_sets(json.dumps(config, sort_keys=True))
+    """The instruction sets a key names (INSTRUCTION_SETS) code compiled for an llvm target may use."""
+    return _llvm_features(json.dumps(config, sort_keys=True)) & INSTRUCTION_SETS.keys()
 
 
-@lru_cache(maxsize=64)
-def _compiled_instruction_sets(config_json: str) -> frozenset[str]:
+@lru_cache(maxsize=512)
+def _llvm_features(config_json: str) -> frozenset[str]:
     import tvm
     from tvm.target import codegen
 
     config = json.loads(config_json)
     if config.get("kind") != "llvm":
         return frozenset()
-    return frozenset(str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config))) & INSTRUCTION_SETS.keys()
+    return frozenset(str(name) for name in codegen.llvm_get_cpu_features(tvm.target.Target(config)))
 
 
 LIST_OPTIONS = ("mattr", "libs", "keys", "cl-opt")  # options TVM takes as lists: -mattr=+avx2,-amx-int8
