@@ -10,6 +10,8 @@ import pytest
 
 from tvmbert.cli import main
 from tvmbert.core import hosts
+from tvmbert.core.config import LOG_DIR_VARIABLE
+from tvmbert.tuning.database import SHIPPED_VARIABLE
 
 from helpers import ALIKE, CUDA_PRESENT, HOST_AMX, HOST_AMX_INT8, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
 
@@ -23,6 +25,17 @@ class Outcome:
     @property
     def json(self):
         return json.loads(self.stdout)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_tuning_logs(tmp_path_factory):
+    """Every test's tuning records go to a folder of its session, never into this user's
+    (config.user_log_dir), also in the processes tests start; and no shipped record is read
+    unless a test asks for them: what a test builds does not hang on which CPUs' records ship."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LOG_DIR_VARIABLE, str(tmp_path_factory.mktemp("user-logs")))
+        patch.setenv(SHIPPED_VARIABLE, "")
+        yield
 
 
 @pytest.fixture(scope="session")

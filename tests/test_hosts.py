@@ -138,7 +138,7 @@ def _demo_job(tmp_path: Path, host: str) -> subprocess.CompletedProcess:
     config = (REPO / "configs" / "demo.yaml").read_text()
     config = re.sub(r"(?s)\nbench:.*", "\nbench:\n  warmup: 2\n  repeat: 5\n  min_time_s: 0.2\n  engines: [tvm, onnxruntime]\n", config)
     (tmp_path / "demo.yaml").write_text(config)
-    subprocess.run(["cp", "-r", str(REPO / "tuning_logs"), str(tmp_path / "logs")], check=True)
+    subprocess.run(["cp", "-r", str(REPO / "tvmbert" / "tuning_logs"), str(tmp_path / "logs")], check=True)
     environment = {**os.environ, hosts.HOST_VARIABLE: host, "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "tvmbert", "run", str(tmp_path / "demo.yaml"), "--workdir", str(tmp_path / "work"),
                            "--log-dir", str(tmp_path / "logs"), "--json"],

@@ -42,7 +42,8 @@ def _common(func):
                      "included (repeatable; names: tvmbert optimize --json)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
         click.option("--workdir", help="Where artifacts go (default: build)."),
-        click.option("--log-dir", help="Where tuning databases live (default: tuning_logs)."),
+        click.option("--log-dir", help="Your tuning databases: tune writes here, lookups read here before the shipped "
+                     "records (default: $TVMBERT_LOG_DIR, else ~/.local/share/tvmbert/tuning_logs or the platform's like)."),
         click.option("--no-deps", is_flag=True, help="Never run an earlier stage; its artifact must exist."),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout."),
     ]
@@ -180,14 +181,14 @@ def tune(as_json, trials, trials_per_task, rpc_tracker, rpc_key, retune, fresh, 
 
 
 @click.command()
-@click.option("--log-dir", default="tuning_logs", show_default=True, help="Where tuning databases live.")
+@click.option("--log-dir", help="The tuning databases to compact (default: yours, as tune's; the shipped ones: tvmbert/tuning_logs).")
 @click.option("--top-k", type=click.IntRange(1, 1000), default=8, show_default=True, help="Records kept per workload.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def compact(log_dir, top_k, as_json):
     """Write each database's shipped file (records.jsonl.gz): the best records per workload."""
     from tvmbert.tuning import database
 
-    root = Path(log_dir)
+    root = Path(log_dir) if log_dir else config_module.user_log_dir()
     if not root.is_dir():
         raise InputError(f"--log-dir {root} is not a folder")
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -319,7 +320,7 @@ def export(as_json, out_dir, packed, cpus, **params):
 @click.option("--model", help="Override the config's model.")
 @click.option("--target", help="Override the config's target.")
 @click.option("--workdir", help="Where artifacts go.")
-@click.option("--log-dir", help="Where tuning databases live.")
+@click.option("--log-dir", help="Your tuning databases (as the stages' --log-dir).")
 @click.option("--force", is_flag=True, help="Redo every listed stage even when cached.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @_quiet_warnings

@@ -81,7 +81,8 @@ def build(result):
     from tvmbert.tuning.compile import summary
 
     out.print(f"build: {'cached' if result['cached'] else 'done'} -> {result['artifact']}")
-    out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read'])}")
+    out.print(f"{summary(result['schedules'])}, looked up in {', '.join(result['databases_read']) or 'no folder'}"
+              + (f"; no such folder: {', '.join(result['databases_missing'])}" if result["databases_missing"] else ""))
     if result["untuned"]:
         out.print(f"untuned (default schedules): {', '.join(result['untuned'])}")
     random_weights(result)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
@@ -101,7 +103,7 @@ class JobConfig:
     disable: tuple[str, ...] = ()
     stages: tuple[str, ...] = ("trace", "convert", "optimize", "build", "verify", "bench")
     workdir: str = "build"
-    log_dir: str = "tuning_logs"
+    log_dir: str | None = None  # where tune writes and lookups read first; None: user_log_dir()
     tune: TuneOptions = field(default_factory=TuneOptions)
     bench: BenchOptions = field(default_factory=BenchOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
@@ -138,6 +140,24 @@ class JobConfig:
 def _require(ok: bool, where: str, key: str, expected: str) -> None:
     if not ok:
         raise InputError(f"{where}: '{key}' must be {expected}")
+
+
+LOG_DIR_VARIABLE = "TVMBERT_LOG_DIR"
+
+
+def user_log_dir() -> Path:
+    """Where this user's own tuning records go, whatever the folder tvmbert runs from:
+    TVMBERT_LOG_DIR, else the platform's per-user data folder (hours of measurements are data,
+    not a cache to clear)."""
+    if value := os.environ.get(LOG_DIR_VARIABLE):
+        return Path(value).expanduser()
+    if sys.platform == "darwin":
+        base = Path.home() / "Library" / "Application Support"
+    elif sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    else:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "tvmbert" / "tuning_logs"
 
 
 def load(path: str | Path) -> JobConfig:

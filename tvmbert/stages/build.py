@@ -23,7 +23,7 @@ def build(job: Job, force: bool = False) -> Artifact:
     optimized = job.upstream("optimize", optimize)
     log_dir = job.log_dir()
     stage = CachedStage(job, "build", optimize=optimized.fingerprint, target=job.target.config,
-                        databases=database.state(log_dir.parent))
+                        databases=database.state(database.log_roots(job.log_root)))
     if hit := stage.reused(force):
         _suggest(job, hit.meta)
         return hit
@@ -42,6 +42,7 @@ def build(job: Job, force: bool = False) -> Artifact:
         "target_key": job.target.key,
         "database": str(log_dir),
         "databases_read": compiled.databases,
+        "databases_missing": compiled.missing,  # this target's folders (the user's, the shipped) that do not exist
         "tasks_total": len(compiled.tasks),
         "tasks_tuned": len(compiled.tasks) - len(compiled.untuned),
         "untuned": compiled.untuned,

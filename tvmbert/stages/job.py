@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tvmbert.core import artifacts, memory, targets
 from tvmbert.core.artifacts import Artifact
-from tvmbert.core.config import JobConfig
+from tvmbert.core.config import JobConfig, user_log_dir
 from tvmbert.core.console import to_stderr
 from tvmbert.core.errors import InputError
 from tvmbert.core.families import TASKS
@@ -44,7 +44,7 @@ class Job:
         if self.config.tokens is not None:
             self._check_packed()
         artifacts.check_writable_folder(Path(self.config.workdir), "--workdir")
-        artifacts.check_writable_folder(Path(self.config.log_dir), "--log-dir")
+        artifacts.check_writable_folder(self.log_root, "--log-dir")
         if self.config.text is not None:
             _ = self.inputs  # tokenized now: a text that does not fit fails before any work
 
@@ -104,9 +104,15 @@ class Job:
         """Where the work directory keeps one copy of each distinct weights file its artifacts link."""
         return Path(self.config.workdir) / ".weights"
 
+    @property
+    def log_root(self) -> Path:
+        """This user's tuning logs: --log-dir (or the config's log_dir), else user_log_dir()."""
+        return Path(self.config.log_dir).expanduser() if self.config.log_dir else user_log_dir()
+
     def log_dir(self) -> Path:
-        """The tuning database folder for this job's target."""
-        return Path(self.config.log_dir) / self.target.key
+        """This user's tuning database folder for the job's target: where tune writes, and what
+        every lookup reads before the shipped records (tuning.database.read_folders)."""
+        return self.log_root / self.target.key
 
     def upstream(self, stage: str, produce: Callable[[Job], Artifact]) -> Artifact:
         """The artifact of an earlier stage: reused or produced, unless --no-deps forbids producing."""

@@ -95,10 +95,12 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
             raise InputError(f"--kernel {' '.join(only)} matches none of the kernels: {', '.join(t.name for t in tasks)}")
         tasks = selected
     started = time.perf_counter()
+    # The shipped records count as tuned and seed the search; what this run measures goes to log_dir alone.
+    shipped = tuple(folder for folder in database.read_folders(log_dir)[1:] if folder.is_dir())
     with database.locked(log_dir, say=job.say):
-        records = database.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"))
+        records = database.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"), read_also=shipped)
         budgets = plan(tasks, options.trials, options.trials_per_task)
-        done = database.done_keys(log_dir)
+        done = set().union(*(database.done_keys(folder) for folder in (log_dir, *shipped)))
         progress = []
         for task in tasks:
             existing = records.trials_spent(task.module)
@@ -118,7 +120,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
             for task, state in todo:
                 records.supersede(task.module)
                 state.existing, state.best_us = 0, None
-            records = database.open_database(log_dir, warn=lambda message: None)
+            records = database.open_database(log_dir, warn=lambda message: None, read_also=shipped)
         if todo:
             with Session(job.target, job.config.tune, job.say, records, log_dir, servers, progress, sum(p.remaining(retune) for _, p in todo), started) as session:
                 session.search(todo, retune)
@@ -155,8 +157,8 @@ def adapt(job: Job) -> TuneResult:
         candidates = [(task, [r for source in catalog.sources for r in catalog.records(source, task.module)[:ADAPT_CANDIDATES]])
                       for task in variants if not catalog.measured_here(task.module)]
         if not any(records for _, records in candidates) and not any(catalog.measured_here(t.module) for t in variants):
-            raise InputError(f"--adapt measures other CPUs' records here, and {log_dir.parent} holds no records for "
-                             f"{job.config.model} from a CPU that fits {job.target.key}")
+            raise InputError(f"--adapt measures other CPUs' records here, and {' nor '.join(map(str, database.log_roots(log_dir.parent)))} "
+                             f"holds no records for {job.config.model} from a CPU that fits {job.target.key}")
         candidates = [(task, records) for task, records in candidates if records]
         progress = [TaskProgress(t.name, t.flops, t.weight, len(records), 0, "todo") for t, records in candidates]
         trials = job.config.tune.trials or ADAPT_TRIALS
@@ -187,7 +189,7 @@ def _result(job: Job, log_dir: Path, tasks, progress: list[TaskProgress], starte
 
 
 def _compact(job: Job, log_dir: Path) -> None:
-    """Keeps the shipped file current with what this run measured."""
+    """Keeps the user's compact file current with what this run measured (tvmbert compact's file)."""
     summary = database.compact(log_dir, warn=lambda message: None)
     job.say(f"tune: {summary['records']} best records of {summary['workloads']} workloads in {log_dir / record_files.COMPACT_FILE}")
 

@@ -233,7 +233,7 @@ def verify_training(job: Job) -> TrainVerifyResult:
 
     layer, (hidden, mask) = dispatch.job_layer(job)
     reference, compiled = copy.deepcopy(layer), copy.deepcopy(layer)
-    dispatch.add_tvm_dispatch(compiled, (hidden, mask), target=job.config.target, log_dir=job.config.log_dir)
+    dispatch.add_tvm_dispatch(compiled, (hidden, mask), target=job.config.target, log_dir=job.log_root)
     generator = torch.Generator().manual_seed(job.config.seed + 11)
     grad_output = torch.randn(hidden.shape, generator=generator, dtype=hidden.dtype)
 

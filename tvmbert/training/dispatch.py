@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tvmbert.core import targets
+from tvmbert.core.config import user_log_dir
 from tvmbert.core.console import to_stderr
 from tvmbert.core.errors import InputError
 from tvmbert.deploy.loader import check_cpu
@@ -81,12 +82,13 @@ class Compiled:
         return self.n_inputs + len(self.dropout) + len(self.params)
 
 
-def add_tvm_dispatch(module, sample_inputs, target: str = "llvm", log_dir: str | Path = "tuning_logs",
+def add_tvm_dispatch(module, sample_inputs, target: str = "llvm", log_dir: str | Path | None = None,
                      verbose: bool = False):
     """Run ``module`` in TVM, forward and backward, for calls shaped like ``sample_inputs``.
 
     Other calls (shapes, dtypes, device, keyword arguments) fall back to the module's own
     forward; with ``verbose`` each new fallback signature is reported once, on stderr.
+    ``log_dir``: this user's tuning logs (default: config.user_log_dir()), read before the shipped ones.
     """
     import torch
 
@@ -98,7 +100,7 @@ def add_tvm_dispatch(module, sample_inputs, target: str = "llvm", log_dir: str |
     spec = targets.resolve(target)
     check_cpu("add_tvm_dispatch", spec.config)
     check_device(spec, inputs)
-    dispatch = _Dispatch(module, inputs, spec, Path(log_dir), verbose)
+    dispatch = _Dispatch(module, inputs, spec, Path(log_dir) if log_dir else user_log_dir(), verbose)
     dispatch.compiled_for(dispatch.mode())  # compile now, for the module's current mode
     setattr(module, ATTRIBUTE, dispatch)
     module.forward = dispatch

@@ -1,4 +1,5 @@
-"""Every CPU's tuning database in a log root, and which one a kernel's schedule comes from.
+"""Every CPU's tuning database in the log roots (the user's, then the shipped one), and which one a
+kernel's schedule comes from.
 
 MetaSchedule looks a record up by its workload alone (apache/tvm#15549): a schedule tuned on one
 CPU applies verbatim to the same kernel built for another, and its code is generated for the
@@ -102,26 +103,30 @@ class Source:
 
 
 class Catalog:
-    """This target's database first, then, on CPUs, the other CPUs' databases under the same log
-    root, nearest first."""
+    """This target's databases first (the user's ``log_dir``, then the shipped one), then, on CPUs,
+    the other CPUs' databases under the same log roots, nearest first (at the same distance, the
+    user's before the shipped)."""
 
     def __init__(self, log_dir: Path, target_key: str, warn, live: bool = False, cores: int | None = None):
         self.key = target_key
         self.cores = cores  # records measured at this core count come first: their parallel extents fit it
         self.native = Source(target_key, database.open_database(log_dir, warn=warn, live=live))
+        roots = database.log_roots(log_dir.parent)
+        self.expected = [root / target_key for root in roots]  # this target's folders, there or not
+        self.others: list[Source] = [Source(target_key, database.open_database(folder, warn=warn))
+                                     for folder in self.expected[1:] if database.holds_records(folder)]
         self.cpu = describe(target_key)
-        self.others: list[Source] = []
         if self.cpu is None:
             return
-        root = log_dir.parent
         ranked = []
-        for folder in sorted(p for p in root.iterdir() if p.is_dir() and p != log_dir) if root.is_dir() else []:
-            other = describe(folder.name)
-            distance = self.cpu.distance(other) if other is not None else None
-            if distance is not None and database.holds_records(folder):
-                ranked.append((distance, folder))
-        self.others = [Source(folder.name, database.open_database(folder, warn=warn))
-                       for _, folder in sorted(ranked, key=lambda item: item[0])]
+        for order, root in enumerate(roots):
+            for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name != target_key) if root.is_dir() else []:
+                other = describe(folder.name)
+                distance = self.cpu.distance(other) if other is not None else None
+                if distance is not None and database.holds_records(folder):
+                    ranked.append(((distance, order), folder))
+        self.others += [Source(folder.name, database.open_database(folder, warn=warn))
+                        for _, folder in sorted(ranked, key=lambda item: item[0])]
 
     @property
     def sources(self) -> list[Source]:
@@ -136,8 +141,9 @@ class Catalog:
         return sorted(found, key=lambda r: self.cores is not None and measured_cores(r) != self.cores)
 
     def measured_here(self, mod) -> bool:
-        """Whether this CPU's database holds a record of ``mod`` measured at this core count."""
-        return any(measured_cores(r) == self.cores for r in database.valid_records(self.native.database, mod))
+        """Whether this CPU's databases hold a record of ``mod`` measured at this core count."""
+        return any(measured_cores(r) == self.cores for source in self.sources if source.key == self.key
+                   for r in database.valid_records(source.database, mod))
 
     def nearest(self, mods) -> Source | None:
         """The nearest database holding a usable record for any of ``mods``."""
@@ -158,7 +164,11 @@ class Catalog:
 
     def read(self) -> list[str]:
         """Every database a build looked records up in (its fingerprint covers them all)."""
-        return [str(s.database.log_dir) for s in self.sources]
+        return [str(s.database.log_dir) for s in self.sources if s.database.log_dir.is_dir()]
+
+    def missing(self) -> list[str]:
+        """This target's folders that do not exist: nothing tuned here yet, or no records ship for it."""
+        return [str(folder) for folder in self.expected if not folder.is_dir()]
 
     def prefer_measured_layouts(self, module, target):
         """Keeps each kernel's weights as they are where records measured that way (tuned before

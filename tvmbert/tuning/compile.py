@@ -25,6 +25,7 @@ class TunedBuild:
     schedules: dict[str, str]  # task name -> where its schedule came from: native, transferred from KEY, default
     weight_layouts: object | None  # IRModule: WEIGHT_LAYOUT_ENTRY, the weight layouts the tuned kernels read
     databases: list[str]  # every database the records were looked up in
+    missing: list[str]  # the target's own database folders that did not exist (catalog.Catalog.missing)
 
     @property
     def untuned(self) -> list[str]:
@@ -119,7 +120,8 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
     tasks = [t for t in extract_tasks(module, target, entries) if not t.trivial]
     schedules, records = catalog.schedules(tasks)
     if announce:
-        say(f"{announce}: {target.key}, {summary(schedules)} ({log_dir})")
+        say(f"{announce}: {target.key}, {summary(schedules)}; records read from {', '.join(catalog.read()) or 'no folder'}"
+            + (f"; no such folder: {', '.join(catalog.missing())}" if catalog.missing() else ""))
     tvm_target = target.tvm_target()
     if target.is_gpu:  # dlight's tensor-core rules import the intrinsics they tensorize with
         register_tensor_intrinsics(target)
@@ -138,5 +140,5 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
             executable = tvm.compile(entry_module(module, *entries), tvm_target)
     except Exception as exc:
         raise StageFailed(f"TVM build{' of ' + label if label else ''} for {target.key} failed: {str(exc).splitlines()[-1]}") from exc
-    return TunedBuild(executable, tasks, schedules, weight_layouts, catalog.read())
+    return TunedBuild(executable, tasks, schedules, weight_layouts, catalog.read(), catalog.missing())
 

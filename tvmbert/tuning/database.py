@@ -27,18 +27,44 @@ from tvmbert.tuning.record_files import (
     workload_key,
 )
 
+# The records that ship inside the package (package data), one folder per target key as under a
+# user's log root; read after the user's, never written by a tune.
+PACKAGE_LOGS = Path(__file__).resolve().parent.parent / "tuning_logs"
+SHIPPED_VARIABLE = "TVMBERT_SHIPPED_LOGS"
+
+
+def shipped_root() -> Path | None:
+    """The shipped records' root: the package's, or TVMBERT_SHIPPED_LOGS's folder; set empty, none
+    (a test suite or an experiment that must see only its own records)."""
+    value = os.environ.get(SHIPPED_VARIABLE)
+    if value is None:
+        return PACKAGE_LOGS
+    return Path(value).expanduser() if value else None
+
+
+def log_roots(user_root: Path) -> list[Path]:
+    """Every root a lookup reads, the user's first: their records win over the shipped ones."""
+    shipped = shipped_root()
+    same = shipped is not None and shipped.resolve() == user_root.resolve()  # `--log-dir tvmbert/tuning_logs`: tuning what ships
+    return [user_root] + ([shipped] if shipped is not None and not same else [])
+
+
+def read_folders(log_dir: Path) -> list[Path]:
+    """A target's database folders a lookup reads, the user's ``log_dir`` (where tune writes) first."""
+    return [root / log_dir.name for root in log_roots(log_dir.parent)]
+
 
 def holds_records(folder: Path) -> bool:
     """Whether a database folder holds records (shipped or measured)."""
     return any((folder / name).is_file() for name in (COMPACT_FILE, RECORDS_FILE))
 
 
-def state(log_root: Path) -> list:
-    """What a build's cache key needs: the sizes and times of every database under the log root
+def state(log_roots: list[Path]) -> list:
+    """What a build's cache key needs: the sizes and times of every database under the log roots
     (a build may take records from any of them)."""
-    files = sorted(log_root.glob(f"*/{COMPACT_FILE}")) + sorted(log_root.glob(f"*/{WORKLOADS_FILE}")) \
-        + sorted(log_root.glob(f"*/{RECORDS_FILE}")) + sorted(log_root.glob(f"*/{SUPERSEDED_FILE}"))
-    return [[str(f.relative_to(log_root)), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
+    files = [f for root in log_roots for name in (COMPACT_FILE, WORKLOADS_FILE, RECORDS_FILE, SUPERSEDED_FILE)
+             for f in sorted(root.glob(f"*/{name}"))]
+    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files if f.is_file()]
 
 
 @contextmanager
@@ -72,11 +98,12 @@ def tuning_active(log_dir: Path) -> bool:
     return False
 
 
-def open_database(log_dir: Path, warn=None, live: bool = False):
-    """The target's database (empty when nothing was tuned for it yet)."""
+def open_database(log_dir: Path, warn=None, live: bool = False, read_also: tuple[Path, ...] = ()):
+    """The target's database (empty when nothing was tuned for it yet); ``read_also``: folders
+    whose shipped files it reads too (read_folders' others), never writes."""
     from tvmbert.tuning.log_database import LogDatabase
 
-    return LogDatabase(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)), live)
+    return LogDatabase(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)), live, read_also)
 
 
 def best_seconds(database, task: Task) -> float | None:

@@ -34,7 +34,7 @@ class LogDatabase(ms.database.PyDatabase):
     kept, and the files are only ever appended to, never rewritten, so nothing is lost.
     """
 
-    def __init__(self, log_dir: Path, warn, live: bool = False):
+    def __init__(self, log_dir: Path, warn, live: bool = False, read_also: tuple[Path, ...] = ()):
         super().__init__()
         # While a tuner appends, the last line may be a write in flight, not damage.
         self.live = live
@@ -47,11 +47,12 @@ class LogDatabase(ms.database.PyDatabase):
         self.seen: set = set()  # (workload hash, trace): a record the compact file and the history both hold
         self.trials: dict[int, int] = {}  # workload hash -> trials the compact file says were spent on it
         superseded = superseded_workloads(log_dir)
-        self._load_compact(warn, superseded)
+        for folder in (log_dir, *read_also):  # a search started over here (--fresh) drops the shipped records too
+            self._load_compact(folder / COMPACT_FILE, warn, superseded)
         self._load_history(warn, superseded)
 
-    def _load_compact(self, warn, superseded: dict[str, int]):
-        for number, line in lines(self.log_dir / COMPACT_FILE):
+    def _load_compact(self, path: Path, warn, superseded: dict[str, int]):
+        for number, line in lines(path):
             try:
                 entry = json.loads(line)
                 if entry["workload"] in superseded:
@@ -63,7 +64,7 @@ class LogDatabase(ms.database.PyDatabase):
                 for record_json in entry["records"]:
                     self._commit_once(digest, ms.database.TuningRecord.from_json(record_json, workload), record_json)
             except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
-                self._problem(warn, COMPACT_FILE, number, exc)
+                self._problem(warn, path, number, exc)
 
     def _load_history(self, warn, superseded: dict[str, int]):
         workloads, digests, superseded_before = [], [], []
@@ -78,7 +79,7 @@ class LogDatabase(ms.database.PyDatabase):
                 workloads.append(None)
                 digests.append(None)
                 superseded_before.append(0)
-                self._problem(warn, WORKLOADS_FILE, number, exc)
+                self._problem(warn, self.log_dir / WORKLOADS_FILE, number, exc)
         self.workload_lines = len(workloads)
         for number, line in lines(self.log_dir / RECORDS_FILE):
             self.record_lines = number
@@ -96,7 +97,7 @@ class LogDatabase(ms.database.PyDatabase):
                     continue
                 self._commit_once(digests[index], ms.database.TuningRecord.from_json(record_json, workload), record_json)
             except Exception as exc:  # noqa: BLE001
-                self._problem(warn, RECORDS_FILE, number, exc)
+                self._problem(warn, self.log_dir / RECORDS_FILE, number, exc)
 
     def _commit_once(self, digest: int, record, record_json) -> None:
         # The same schedule measured on another core count is another measurement.
@@ -121,8 +122,8 @@ class LogDatabase(ms.database.PyDatabase):
             handle.flush()
             os.fsync(handle.fileno())
 
-    def _problem(self, warn, name, number, exc):
-        message = f"{self.log_dir / name}:{number}: skipped an unreadable line ({type(exc).__name__}: {str(exc)[:160]})"
+    def _problem(self, warn, path: Path, number, exc):
+        message = f"{path}:{number}: skipped an unreadable line ({type(exc).__name__}: {str(exc)[:160]})"
         self.problems.append(message)
         warn(message)
 

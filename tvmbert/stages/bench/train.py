@@ -27,7 +27,7 @@ def bench_training(job: Job) -> dict:
     layer, (hidden, mask) = dispatch.job_layer(job)
     started = time.perf_counter()
     compiled = dispatch.add_tvm_dispatch(copy.deepcopy(layer), (hidden, mask), target=job.config.target,
-                                         log_dir=job.config.log_dir)
+                                         log_dir=job.log_root)
     setup_s = time.perf_counter() - started
     grad_output = torch.randn(hidden.shape, dtype=hidden.dtype, generator=torch.Generator().manual_seed(job.config.seed))
     x = hidden.clone().requires_grad_()  # as inside a model: the layer's input needs its gradient too
