@@ -184,7 +184,7 @@ def test_adapt_makes_another_cpus_records_this_ones(tvmbert, tuned_everywhere_al
     assert targets == {f"{OTHER_CPU}/{os.cpu_count()}"}
     assert (logs / f"llvm-{OTHER_CPU}" / record_files.COMPACT_FILE).is_file()
     nothing = tvmbert("tune", "bert-tiny", "--adapt", "--log-dir", str(tmp_path / "empty"))
-    assert nothing.code == 2 and "holds no records for bert-tiny" in nothing.stderr
+    assert nothing.code == 2 and "there are no records for bert-tiny" in nothing.stderr
 
 
 @pytest.mark.slow

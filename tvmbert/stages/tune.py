@@ -157,8 +157,8 @@ def adapt(job: Job) -> TuneResult:
         candidates = [(task, [r for source in catalog.sources for r in catalog.records(source, task.module)[:ADAPT_CANDIDATES]])
                       for task in variants if not catalog.measured_here(task.module)]
         if not any(records for _, records in candidates) and not any(catalog.measured_here(t.module) for t in variants):
-            raise InputError(f"--adapt measures other CPUs' records here, and {' nor '.join(map(str, database.log_roots(log_dir.parent)))} "
-                             f"holds no records for {job.config.model} from a CPU that fits {job.target.key}")
+            raise InputError(f"--adapt measures other CPUs' records here, and there are no records for {job.config.model} from a "
+                             f"CPU that fits {job.target.key} in {' or '.join(map(str, database.log_roots(log_dir.parent)))}")
         candidates = [(task, records) for task, records in candidates if records]
         progress = [TaskProgress(t.name, t.flops, t.weight, len(records), 0, "todo") for t, records in candidates]
         trials = job.config.tune.trials or ADAPT_TRIALS
