@@ -185,3 +185,13 @@ def test_no_cpu_llvm_knows_passes_where_the_host_lacks_one_of_its_instructions(p
             assert targets.missing_host_features(targets.resolve("llvm").config) == [], name
     present_host("sapphirerapids")
     assert {"egpr", "ndd", "avx10.2", "movrs", "amx-fp8"} <= set(targets.missing_host_features({"kind": "llvm", "mcpu": "diamondrapids"}))
+
+
+def test_gpu_targets_carry_the_limits_metaschedule_reads():
+    """From TVM's tag for the architecture (sm_90: nvidia-h100's, arch kept), a table for AMD's;
+    a limit the user names wins."""
+    h100 = targets.resolve("cuda -arch=sm_90").config
+    assert h100["arch"] == "sm_90" and h100["max_threads_per_block"] == 1024 and h100["l2_cache_size_bytes"] == 50 * 2**20
+    assert targets.resolve("rocm -mcpu=gfx90a").config["thread_warp_size"] == 64
+    assert targets.resolve("cuda -arch=sm_80 -max_threads_per_block=512").config["max_threads_per_block"] == 512
+    assert "max_shared_memory_per_block" in targets.resolve("cuda -arch=sm_61").config  # no tag: the fallback limits

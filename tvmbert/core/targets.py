@@ -38,6 +38,7 @@ class TargetKind:
     llvm_triple: Callable[[], str] | None = None  # mcpu is an LLVM CPU of this triple (unless mtriple says): checked
     toolchain: Callable[[], None] | None = None  # checks the tools a build needs on this machine
     tensor_intrinsics: tuple[str, ...] = ()  # the modules of tvm.s_tir.tensor_intrin its schedules may tensorize with
+    device_limits: Callable[[dict], dict] | None = None  # a GPU's limits for a config (GPU_ARCHITECTURES): what its rules read
 
     @property
     def is_gpu(self) -> bool:
@@ -48,10 +49,35 @@ KINDS = {kind.name: kind for kind in (
     TargetKind("llvm", "cpu", "mcpu", {"num-cores": lambda: cpu_count()}, host=lambda: host_config(),
                llvm_triple=lambda: _host_triple(), tensor_intrinsics=("x86",)),
     TargetKind("cuda", "cuda", "arch", {"arch": lambda: _local_cuda_arch() or DEFAULT_CUDA_ARCH},
-               toolchain=toolchain.check_cuda, tensor_intrinsics=("cuda",)),
+               toolchain=toolchain.check_cuda, tensor_intrinsics=("cuda",), device_limits=lambda config: _gpu_limits(config["arch"], _local_cuda_limits, "cuda")),
     TargetKind("rocm", "rocm", "mcpu", {"mcpu": lambda: DEFAULT_ROCM_MCPU}, llvm_triple=lambda: "amdgcn-amd-amdhsa",
-               toolchain=toolchain.check_rocm, tensor_intrinsics=("rocm",)),
+               toolchain=toolchain.check_rocm, tensor_intrinsics=("rocm",), device_limits=lambda config: _gpu_limits(config["mcpu"], lambda arch: None, "rocm")),
 )}
+
+# What MetaSchedule's GPU rules (AutoBind, MultiLevelTiling, VerifyGPUCode) and dlight read of a
+# GPU target: without max_threads_per_block, TuneContext fails ("missing attribute"), and TVM's
+# own defaults for a bare kind are guesses (no shared memory size for CUDA, 256 threads a block for ROCm).
+CUDA_LIMITS = ("max_threads_per_block", "max_num_threads", "max_shared_memory_per_block", "thread_warp_size",
+               "registers_per_block", "l2_cache_size_bytes")
+_CDNA = {"max_threads_per_block": 1024, "max_num_threads": 1024, "max_shared_memory_per_block": 65536, "thread_warp_size": 64}
+# Per architecture, where no device of it is here: TVM's tag for a GPU of it (its limits are
+# taken, not its arch: sm_90a code would not run on every sm_90 part), or the limits themselves
+# where TVM has no tag (none for AMD GPUs; AMD's specs: 1024 threads, 64 KiB LDS, wavefronts of 64).
+GPU_ARCHITECTURES: dict[str, str | dict] = {
+    "sm_70": "nvidia/nvidia-v100",
+    "sm_75": "nvidia/nvidia-t4",
+    "sm_80": "nvidia/nvidia-a100",
+    "sm_86": "nvidia/nvidia-a10",
+    "sm_89": "nvidia/geforce-rtx-4090",
+    "sm_90": "nvidia/nvidia-h100",
+    "gfx906": _CDNA, "gfx908": _CDNA, "gfx90a": _CDNA, "gfx942": _CDNA,
+}
+# An architecture the table lacks: limits every CUDA GPU since Volta, and every AMD GCN/CDNA one, meets.
+GPU_FALLBACK_LIMITS = {
+    "cuda": {"max_threads_per_block": 1024, "max_num_threads": 1024, "max_shared_memory_per_block": 49152,
+             "thread_warp_size": 32, "registers_per_block": 65536},
+    "rocm": _CDNA,
+}
 
 
 @dataclass(frozen=True)
@@ -366,6 +392,8 @@ def resolve(text: str) -> TargetSpec:
     for option, default in facts.defaults.items():
         if option not in options:
             options[option] = default()
+    if facts.device_limits is not None:  # the user's own limits win
+        options |= {name: value for name, value in facts.device_limits({"kind": kind, **options}).items() if name not in options}
     config = {"kind": kind, **options}
     try:
         import tvm
@@ -474,6 +502,38 @@ def _key(kind: str, detail) -> str:
 
 def _spelled(detail) -> str:
     return re.sub(r"[^A-Za-z0-9_+-]", "_", str(detail))
+
+
+def _gpu_limits(arch: str, local: Callable[[str], dict | None], kind: str) -> dict:
+    """The limits of a GPU of architecture ``arch``: this machine's GPU's where it is one (``local``),
+    else from GPU_ARCHITECTURES, else GPU_FALLBACK_LIMITS. (TVM's ROCm target reads a present
+    AMD GPU's limits itself.)"""
+    here = local(arch)
+    if here:
+        return here
+    known = GPU_ARCHITECTURES.get(arch)
+    if isinstance(known, str):
+        import tvm
+
+        tagged = tvm.target.Target(known).attrs
+        return {name: int(tagged[name]) for name in CUDA_LIMITS if name in tagged}
+    return dict(known or GPU_FALLBACK_LIMITS[kind])
+
+
+@lru_cache(maxsize=8)
+def _local_cuda_limits(arch: str) -> dict | None:
+    """This machine's CUDA GPU's limits, as its driver reports them, where it is of architecture ``arch``."""
+    import tvm
+
+    device = tvm.cuda(0)
+    if not device.exist or "sm_" + device.compute_version.replace(".", "") != arch:
+        return None
+    threads = int(device.max_threads_per_block)
+    limits = {"max_threads_per_block": threads, "max_num_threads": threads,
+              "max_shared_memory_per_block": int(device.max_shared_memory_per_block), "thread_warp_size": int(device.warp_size),
+              "registers_per_block": 65536}  # every architecture since Kepler's; TVM's device API has no getter for it
+    l2 = int(device.l2_cache_size_bytes or 0)
+    return limits | ({"l2_cache_size_bytes": l2} if l2 > 0 else {})
 
 
 def _local_cuda_arch() -> str | None:

@@ -19,9 +19,10 @@ import cloudpickle
 from tvmbert.core.errors import InputError
 
 
-def cpu_build(mod, target, _params=None):
+def candidate_build(mod, target, _params=None):
     """meta_schedule's default build without importing the tensor-intrinsic registry, which a
-    CPU candidate (already tensorized if at all) does not need."""
+    candidate (already tensorized if at all) does not need: its CUDA intrinsics alone outran the
+    builder's 30 s timeout in each worker on 2 cores, and no GPU candidate was ever built."""
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
@@ -42,7 +43,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def _builder_class():
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.builder import BuilderResult, PyBuilder
-    from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func, default_build, default_export
+    from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
     from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
     @derived_object
@@ -50,15 +51,14 @@ def _builder_class():
         """LocalBuilder's isolation (child processes, timeout, a crash kills one worker), with
         one pool for the whole run; workers are recycled now and then to bound leaks."""
 
-        def __init__(self, cpu: bool, max_workers: int, timeout_sec: float = 30.0, max_uses: int = 256):
+        def __init__(self, max_workers: int, timeout_sec: float = 30.0, max_uses: int = 256):
             super().__init__()
-            self.functions = (cpu_build, export_shared_library) if cpu else (default_build, default_export)
             self.pool = PopenPoolExecutor(max_workers=max_workers, timeout=timeout_sec, maximum_process_uses=max_uses)
             self.timeout_sec = timeout_sec
 
         def build(self, build_inputs):
-            build, export = self.functions
-            args = [(build, export, item.mod, item.target, _serialize_params(item.params)) for item in build_inputs]
+            # TVM's own default_build and default_export are registered FFI functions, which do not pickle.
+            args = [(candidate_build, export_shared_library, item.mod, item.target, _serialize_params(item.params)) for item in build_inputs]
             results = []
             for outcome in self.pool.map_with_error_catching(lambda packed: _worker_func(*packed), args):
                 if outcome.status == StatusKind.COMPLETE:
@@ -75,8 +75,8 @@ def _builder_class():
     return PersistentBuilder
 
 
-def make_builder(cpu: bool, workers: int):
-    return _builder_class()(cpu=cpu, max_workers=workers)
+def make_builder(workers: int):
+    return _builder_class()(max_workers=workers)
 
 
 def evaluator(cold: bool):

@@ -118,7 +118,7 @@ class Session:
         logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
         register_tensor_intrinsics(self.spec)
         options = self.options
-        self.builder = measure.make_builder(cpu=not self.spec.is_gpu, workers=cpu_count())
+        self.builder = measure.make_builder(workers=cpu_count())
         cold = not self.spec.is_gpu
         self.runner = measure.make_rpc_runner(options.rpc_tracker, options.rpc_key, self.servers, cold) \
             if options.rpc_tracker else measure.make_local_runner(cold)
