@@ -36,7 +36,7 @@ def main() -> None:
     from tvmbert.tuning.catalog import Catalog
 
     job = Job(JobConfig(model=args.model, seq_len=args.seq_len, dtype=args.dtype))
-    records_db = database.open_database(job.log_dir())
+    records_db = database.open_database(job.log_dir(), read_also=database.shipped_folders(job.log_dir()))
     module = inference_module(load_module(optimize(job).path), job.target)
     module = Catalog(job.log_dir(), job.target.key, warn=print).prefer_measured_layouts(module, job.target)  # as build does
     tasks = [t for t in extract_tasks(module, job.target) if not t.trivial]

@@ -16,7 +16,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("seq_len", type=int)
     parser.add_argument("--target", default="llvm")
-    parser.add_argument("--log-dir", default="tuning_logs")
+    parser.add_argument("--log-dir", help="your tuning logs (default: tvmbert's); the shipped ones are read after them")
     args = parser.parse_args()
 
     import tvm

@@ -111,7 +111,7 @@ class Job:
 
     def log_dir(self) -> Path:
         """This user's tuning database folder for the job's target: where tune writes, and what
-        every lookup reads before the shipped records (tuning.database.read_folders)."""
+        every lookup reads before the shipped records (tuning.database.shipped_folders)."""
         return self.log_root / self.target.key
 
     def upstream(self, stage: str, produce: Callable[[Job], Artifact]) -> Artifact:

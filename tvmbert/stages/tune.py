@@ -96,7 +96,7 @@ def tune(job: Job, retune: bool = False, train: bool = False, only: tuple[str, .
         tasks = selected
     started = time.perf_counter()
     # The shipped records count as tuned and seed the search; what this run measures goes to log_dir alone.
-    shipped = tuple(folder for folder in database.read_folders(log_dir)[1:] if folder.is_dir())
+    shipped = database.shipped_folders(log_dir)
     with database.locked(log_dir, say=job.say):
         records = database.open_database(log_dir, warn=lambda message: job.say(f"warning: {message}"), read_also=shipped)
         budgets = plan(tasks, options.trials, options.trials_per_task)

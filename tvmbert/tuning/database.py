@@ -49,9 +49,10 @@ def log_roots(user_root: Path) -> list[Path]:
     return [user_root] + ([shipped] if shipped is not None and not same else [])
 
 
-def read_folders(log_dir: Path) -> list[Path]:
-    """A target's database folders a lookup reads, the user's ``log_dir`` (where tune writes) first."""
-    return [root / log_dir.name for root in log_roots(log_dir.parent)]
+def shipped_folders(log_dir: Path) -> tuple[Path, ...]:
+    """The target's shipped database folder, if records ship for it: what a lookup in the user's
+    ``log_dir`` (where tune writes) reads after it (open_database's ``read_also``)."""
+    return tuple(folder for root in log_roots(log_dir.parent)[1:] if (folder := root / log_dir.name).is_dir())
 
 
 def holds_records(folder: Path) -> bool:
@@ -100,7 +101,7 @@ def tuning_active(log_dir: Path) -> bool:
 
 def open_database(log_dir: Path, warn=None, live: bool = False, read_also: tuple[Path, ...] = ()):
     """The target's database (empty when nothing was tuned for it yet); ``read_also``: folders
-    whose shipped files it reads too (read_folders' others), never writes."""
+    whose shipped files it reads too (shipped_folders), never writes."""
     from tvmbert.tuning.log_database import LogDatabase
 
     return LogDatabase(log_dir, warn or (lambda message: print(f"warning: {message}", file=sys.stderr)), live, read_also)
