@@ -20,7 +20,7 @@ from tvmbert.stages.bench.engines import default_engines, peer_dtype
 from helpers import CUDA_PRESENT, REPO, assert_one_line_error
 
 SCRIPTS = ("benchmarks/gpu_run.sh", "benchmarks/lent_machine.sh", "benchmarks/steps.sh")
-GPU_PEERS = ("torch-eager", "torch-sdpa", "torch-compile")
+GPU_PEERS = ("torch-eager", "torch-sdpa", "torch-cudagraph", "torch-compile")
 DEVICE_STEPS = ("verify-fp32.json", "verify-fp16.json", "bench-fp16-b1.json", "bench-fp16-b8.json")
 
 
@@ -129,7 +129,56 @@ def test_a_gpu_build_is_timed_against_pytorch_on_its_gpu(tvmbert):
     assert all(registry.ENGINES[name].on_gpu for name in GPU_PEERS)
     assert peer_dtype("float16", gpu=True) == "float16" and peer_dtype("float16") == "float32"
     assert_one_line_error(tvmbert("bench", "bert-tiny", "--target", "cuda", "--engines", "tvm,onnxruntime"),
-                          "onnxruntime runs on the CPU only", "torch-eager, torch-sdpa, torch-compile")
+                          "onnxruntime runs on the CPU only", "torch-eager, torch-sdpa, torch-cudagraph, torch-compile")
+    assert "torch-cudagraph" not in default_engines("float32")
+    assert_one_line_error(tvmbert("bench", "bert-tiny", "--engines", "tvm,torch-cudagraph"), "torch-cudagraph needs a GPU")
+    assert "torch-cudagraph" in " ".join(tvmbert("bench", "--help", workdir_arg=False).stdout.split())
+
+
+def test_the_cuda_graph_peer_captures_once_and_each_call_replays_synchronized(monkeypatch):
+    """torch-cudagraph: the SDPA model warmed up and captured once when set up; each timed call
+    replays the graph (no forward) and synchronizes; torch.compile on a GPU is max-autotune."""
+    import contextlib
+
+    import torch
+
+    from tvmbert.stages.bench import engines
+
+    calls = []
+
+    class OnDevice:
+        def to(self, device):
+            return self
+
+        def __call__(self, *inputs):
+            calls.append("forward")
+            return (torch.zeros(1),)
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def capturing(graph):
+        calls.append("capture")
+        yield
+
+    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice())
+    for name, value in {"synchronize": lambda: calls.append("synchronize"), "CUDAGraph": Graph, "graph": capturing,
+                        "Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext()}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    job = SimpleNamespace(config=SimpleNamespace(dtype="float16", seed=0), target=SimpleNamespace(is_gpu=True), source=None)
+    engine = engines.torch_cudagraph(job, [OnDevice()], threads=1)
+    assert calls == ["forward"] * engines.CAPTURE_WARMUP + ["capture", "forward"]
+    calls.clear()
+    engine.run()
+    engine.run()
+    assert calls == ["replay", "synchronize"] * 2
+    assert engines.TORCH_COMPILE_MODE[engines.torch_device(job)] == "max-autotune"
 
 
 def test_dispatch_refuses_inputs_on_another_device_than_its_target():

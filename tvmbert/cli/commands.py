@@ -239,7 +239,8 @@ def verify(as_json, samples, tolerance, texts, train, **params):
 @click.command()
 @_common
 @click.option("--padding", help="Fraction of each sequence that is padding (a list sweeps), e.g. 0,0.5.")
-@click.option("--engines", help=f"Comma-separated engines (default: all of {', '.join(ENGINE_NAMES)}).")
+@click.option("--engines", help=f"Comma-separated engines (default: all of {', '.join(ENGINE_NAMES)}; on a GPU target the "
+              f"GPU peers: {', '.join(n for n, e in ENGINE_NAMES.items() if e.on_gpu and not n.startswith('tvm'))}).")
 @click.option("--warmup", type=int, help="Untimed runs per engine first.")
 @click.option("--repeat", type=int, help="At least this many timed runs per engine.")
 @click.option("--min-time", type=float, help="And at least this many seconds per engine.")

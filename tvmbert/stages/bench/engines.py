@@ -38,7 +38,7 @@ GPU_PEER_DTYPE = {"bfloat16": "bfloat16", "float16": "float16"}
 # PyTorch's bert-base cast to float16 was 0.012 off fp32 at 8 x 128 (on a CPU): float16's 2e-2,
 # TVM's bar with fp32 accumulation and fp32 layer norm, leaves its peers on a GPU too little room.
 PEER_CHECK_TOLERANCE = {"bfloat16": 2e-1, "float16": 5e-2}
-IN_PEER_DTYPE = ("torch-eager", "torch-sdpa", "torch-compile", "openvino")  # the engines PEER_DTYPE applies to
+IN_PEER_DTYPE = ("torch-eager", "torch-sdpa", "torch-cudagraph", "torch-compile", "openvino")  # the engines PEER_DTYPE applies to
 OPENVINO_PRECISION = {"float32": "f32", "bfloat16": "bf16"}
 # What the quantized peers compute in, as the report says it.
 QUANTIZED_PEERS = {
@@ -49,13 +49,18 @@ QUANTIZED_PEERS = {
 # measures) and closer to fp32.
 PER_CHANNEL_ORT = True
 CALIBRATION_SAMPLES = 16  # openvino-int8's calibration inputs
+CAPTURE_WARMUP = 3  # eager calls on a side stream before a CUDA graph's capture, as PyTorch's docs ask
+# torch.compile's mode per device: on a GPU "max-autotune" (Triton autotuned matmuls, CUDA graphs),
+# what users pick for the fastest inference; its compile takes minutes (the default mode's alone
+# outran 80 s for bert-base on an H200), part of its setup, not of its time.
+TORCH_COMPILE_MODE = {"cuda": "max-autotune", "cpu": None}
 
 
 def default_engines(dtype: str, gpu: bool = False) -> tuple[str, ...]:
     """Every default engine, and the peers that quantize to ``dtype``; for a GPU build, those
     that run on its GPU."""
     return tuple(name for name, engine in registry.ENGINES.items()
-                 if engine.default and engine.quantized in (None, dtype) and (engine.on_gpu or not gpu))
+                 if engine.default and engine.quantized in (None, dtype) and (engine.on_gpu or not gpu) and (gpu or not engine.gpu_only))
 
 
 def peer_dtype(dtype: str, gpu: bool = False) -> str:
@@ -118,27 +123,57 @@ def tvm_packed_engine(job: Job, inputs, threads: int) -> Engine:
     return engine
 
 
-def _torch(name: str, job: Job, inputs, attention: str, compiled: bool = False, dtype: str | None = None) -> Engine:
+def _torch(name: str, job: Job, inputs, attention: str, compiled: bool = False, dtype: str | None = None,
+           graph: bool = False) -> Engine:
     """A PyTorch peer on ``torch_device``: on a GPU, each call synchronized (kernels launch
-    asynchronously, and a timer would otherwise time the launches)."""
+    asynchronously, and a timer would otherwise time the launches). With ``graph``, the forward
+    is captured once in a torch.cuda.CUDAGraph and each call replays it on the same input buffers."""
     import torch
 
     device = torch_device(job)
     model = models.load(job.source, dtype or peer_dtype(job.config.dtype, job.target.is_gpu), job.config.seed,
                         attn_implementation=attention).to(device)
     if compiled:
-        model = torch.compile(model, backend="inductor")
+        model = torch.compile(model, backend="inductor", mode=TORCH_COMPILE_MODE[device])
     placed = tuple(t.to(device) for t in inputs)
     synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def run():
+    def forward():
         with torch.inference_mode():
-            outputs = model(*placed)
+            return model(*placed)
+
+    if graph:
+        forward = _captured(forward)
+
+    def run():
+        outputs = forward()
         synchronize()
         return outputs
 
     return Engine(name, run, lambda: [t.float().cpu().numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.cpu().numpy()
                                       for t in run()])
+
+
+def _captured(forward):
+    """``forward`` captured in a CUDA graph: warmed up on a side stream, captured once; the
+    returned call replays it and returns the captured outputs, rewritten in place by each replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(CAPTURE_WARMUP):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        outputs = forward()
+
+    def replay():
+        cuda_graph.replay()
+        return outputs
+
+    return replay
 
 
 def reference(job: Job, inputs) -> list[np.ndarray]:
@@ -147,7 +182,12 @@ def reference(job: Job, inputs) -> list[np.ndarray]:
 
 
 def check_engines(job: Job, names) -> None:
-    """A GPU build is timed against peers on its GPU: a CPU-only peer named for it is refused."""
+    """A GPU build is timed against peers on its GPU: a CPU-only peer named for it is refused, and
+    a GPU-only peer named for a CPU build."""
+    gpu_only = [name for name in names if not job.target.is_gpu and registry.ENGINES[name].gpu_only]
+    if gpu_only:
+        raise InputError(f"--engines: {', '.join(gpu_only)} needs a GPU, and this is a {job.target.kind} build: "
+                         "use --target cuda")
     on_cpu = [name for name in names if job.target.is_gpu and not registry.ENGINES[name].on_gpu]
     if on_cpu:
         gpu_peers = ", ".join(n for n, e in registry.ENGINES.items() if e.on_gpu and not n.startswith("tvm"))
@@ -161,6 +201,10 @@ def torch_eager(job: Job, inputs, threads: int) -> Engine:
 
 def torch_sdpa(job: Job, inputs, threads: int) -> Engine:
     return _torch("torch-sdpa", job, inputs, "sdpa")
+
+
+def torch_cudagraph(job: Job, inputs, threads: int) -> Engine:
+    return _torch("torch-cudagraph", job, inputs, "sdpa", graph=True)
 
 
 def torch_compile(job: Job, inputs, threads: int) -> Engine:
