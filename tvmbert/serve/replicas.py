@@ -9,18 +9,25 @@ the OpenAI client does by default."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
+import sys
 import threading
 
 from ray import serve
 
-from tvmbert.core.errors import InputError
+from tvmbert.core.errors import InputError, StageFailed
 from tvmbert.serve.service import Limits, Service
 
 APP_NAME = "tvmbert"
 REPLICA_HEADER = b"x-tvmbert-replica"
 SHUTDOWN_S = 30  # a replica stopping answers what it holds for at most this long
+# SIGTERM to exit, at most: the replicas' drain, then Serve's and the cluster's own stop. Past it,
+# or at a second SIGTERM, every process this one started (a local cluster's GCS, raylet,
+# dashboard and replicas) is killed: Serve's delete waited on a replica Ray was replacing for minutes.
+STOP_S = SHUTDOWN_S + 15
 # Ray Serve gives its proxy 5 s to come up and kills it after three misses: on a machine busy
 # with other work (or starting replicas) it missed them and never served. Read by Ray's
 # processes at start, so set before the cluster starts; a value the user set wins.
@@ -74,7 +81,7 @@ def deployment(package: str, limits: Limits, pooling: str | None, served_name: s
 def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: str | None, served_name: str | None,
                  replicas: int, cpus: float, address: str | None = None, ready=None) -> None:
     """Serves until SIGINT or SIGTERM, then deletes the application (its replicas answer what
-    they hold first) and leaves the cluster (a local one stops, with its Serve)."""
+    they hold first) and leaves the cluster (a local one stops, with its Serve), within STOP_S."""
     import ray
 
     from tvmbert.deploy.package import load
@@ -93,8 +100,17 @@ def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: st
                  **({"_node_ip_address": "127.0.0.1"} if local_only else {}))
     except (ConnectionError, ValueError, RuntimeError) as exc:
         raise InputError(f"cannot reach the Ray cluster at {address}: {exc}") from None
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop, stopped, left = threading.Event(), threading.Event(), threading.Event()
+    signals = []
+
+    def on_signal(*_):
+        signals.append(True)
+        stop.set()
+        if len(signals) > 1:
+            stopped.set()  # a second one: no more waiting for the drain
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    leaving = None
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -105,10 +121,51 @@ def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: st
         if ready is not None:
             ready(host, port)
         stop.wait()
-        serve.delete(APP_NAME)
-        if address == "local":  # a cluster of others' keeps its Serve for their applications
-            serve.shutdown()
+        leaving = threading.Thread(target=_leave, args=(address == "local", left, stopped), daemon=True)
+        leaving.start()
+        stopped.wait(STOP_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if leaving is None:  # it never served: the cluster goes as it came
+            ray.shutdown()
+    if not left.is_set():
+        _kill_started_processes()
+        # Ray's exit hooks and its threads would wait on (or crash at) the cluster just killed:
+        # once the CLI has said why, the process ends before them.
+        atexit.register(_exit_now, StageFailed.exit_code)
+        when = "at a second signal" if len(signals) > 1 else f"within {STOP_S} s of the first"
+        raise StageFailed(f"Ray Serve had not stopped {when}: the processes this server started were killed")
+
+
+def _leave(local: bool, left: threading.Event, stopped: threading.Event) -> None:
+    """Deletes the application (its replicas answer what they hold first) and leaves the cluster
+    (a local one stops, with its Serve; a cluster of others' keeps its Serve for their applications)."""
+    import ray
+
+    try:
+        serve.delete(APP_NAME)
+        if local:
+            serve.shutdown()
         ray.shutdown()
+        left.set()
+    finally:
+        stopped.set()
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _kill_started_processes() -> None:
+    """SIGKILL to every process this one started and theirs (Ray starts a local cluster's
+    processes as children of its driver, the replicas as the raylet's)."""
+    import psutil
+
+    started = psutil.Process().children(recursive=True)
+    for process in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(started, timeout=10)
