@@ -42,9 +42,10 @@ class PassContext:
     @property
     def attention_on_amx(self) -> bool:
         """Attention's two matmuls on AMX-BF16 (scores to about 16 bits, bf16 probabilities and
-        values), for int8 on CPUs with AMX, where the fp32 kernel took a quarter of bert-base's
-        int8 time at 8 x 128; all-MiniLM-L6-v2's accuracy stays int8's (docs/precision.md)."""
-        return self.dtype == "int8" and self.target is not None and self.target.has_amx_bf16
+        values), for int8 and bfloat16 on CPUs with AMX: the fp32 kernel took a quarter of
+        bert-base's int8 time at 8 x 128, and left bf16 at 512 tokens no faster than
+        torch.compile's bf16; all-MiniLM-L6-v2's accuracy stays int8's and bf16's (docs/precision.md)."""
+        return self.dtype in ("int8", "bfloat16") and self.target is not None and self.target.has_amx_bf16
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ PASSES = (
     GraphPass("fma-fp32", _fma_fp32, added_for=lambda c: c.fp32_kernels and c.dtype in ("float32", "int8"), per_target=True),
     # Added with fma-fp32 and with amx-bf16 (whose graph keeps attention in fp32): each layer's
     # attention (Q K^T, scale, mask, softmax, P V and the head transposes around them) becomes
-    # one call of our kernel (kernels/attention.py; for int8 on AMX, its matmuls on AMX-BF16).
+    # one call of our kernel (kernels/attention.py; for int8 and bf16 on AMX, its matmuls on AMX-BF16).
     GraphPass("attention-fp32", _attention_fp32, added_for=lambda c: c.fp32_kernels, per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while
