@@ -240,6 +240,19 @@ def test_a_layers_forward_and_backward_compile_for_cuda(tmp_path):
     assert built.tasks and len(built.untuned) == len(built.tasks)
 
 
+def test_build_reports_kernels_per_layer_and_tensor_core_ones_and_cuda_graphs_turn_off(tvmbert):
+    """At 128 tokens dlight puts fp16 weight matmuls on tensor cores (wmma in their CUDA source);
+    --no-cuda-graph builds a forward that launches each kernel itself."""
+    built = tvmbert("build", "bert-tiny", "--target", "cuda -arch=sm_80", "--dtype", "float16", "--seq-len", "128",
+                    "--no-cuda-graph", "--json")
+    assert built.code == 0, built.stderr
+    kernels = built.json["gpu_kernels"]
+    assert built.json["cuda_graph"] is False
+    assert kernels["per_layer"] == kernels["launched_per_forward"] / 2  # bert-tiny: 2 layers
+    assert any("matmul" in name for name in kernels["tensor_core"]), kernels
+    assert not any("softmax" in name or "layer_norm" in name for name in kernels["tensor_core"]), kernels
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_bert_tiny_verifies_on_the_gpu(tvmbert, dtype):

@@ -113,6 +113,9 @@ def test_gpu_cross_compile_carries_device_code(tvmbert, target, kind):
     assert outcome.code == 0, outcome.stderr
     modules = outcome.json["device_modules"]
     assert [m["kind"] for m in modules] == [kind]
+    assert outcome.json["cuda_graph"] == (kind == "cuda")  # a static CUDA build replays its forward in a CUDA graph
+    if kind == "cuda":
+        assert outcome.json["gpu_kernels"]["launched_per_forward"] >= outcome.json["gpu_kernels"]["device_kernels"] > 10
     assert modules[0]["source_bytes"] > 10_000
     if kind == "hip":
         assert modules[0]["isa"].endswith("gfx906") and modules[0]["assembly_bytes"] > 10_000

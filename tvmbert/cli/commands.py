@@ -38,6 +38,8 @@ def _common(func):
         click.option("--allow-random-weights", is_flag=True, default=None, help="Compile a directory that lacks some weights "
                      "(a head saved without its classifier) with those drawn from --seed, for experiments; every report says so."),
         click.option("--fast-math", is_flag=True, default=None, help="Allow approximations (tanh GELU, fast exp/erf)."),
+        click.option("--no-cuda-graph", is_flag=True, default=None, help="A CUDA build launches each kernel on each call "
+                     "instead of replaying them in a CUDA graph captured at the first."),
         click.option("--disable", multiple=True, help="Leave a pass out of the pipeline, one the dtype or target adds "
                      "included (repeatable; names: tvmbert optimize --json)."),
         click.option("--target", help="llvm, cuda, rocm, 'cuda -arch=sm_90', or a TVM JSON target."),
@@ -82,6 +84,7 @@ def _job(params: dict, overrides: dict | None = None, sweep: bool = False):
         **{k: params.pop(k) for k in ("task", "batch", "seq_len", "tokens", "text", "dtype", "fast_math", "seed", "allow_random_weights", "target", "workdir",
                                       "log_dir")},
         "disable": tuple(params.pop("disable")) or None,
+        "cuda_graph": False if params.pop("no_cuda_graph") else None,
         **(overrides or {}),
     }
     job = Job(base.with_overrides(**flags), no_deps=params.pop("no_deps"))

@@ -94,6 +94,7 @@ class JobConfig:
     text: str | None = None
     dtype: str = "float32"
     fast_math: bool = False  # allow approximations (tanh GELU, fast exp/erf/softmax); exact by default
+    cuda_graph: bool = True  # a CUDA build captures its forward in a CUDA graph (one launch a call after the first)
     seed: int = 0
     allow_random_weights: bool = False  # a directory's missing weights drawn from seed (experiments), not refused
     target: str = "llvm"

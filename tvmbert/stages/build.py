@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from tvmbert.core.artifacts import Artifact
 from tvmbert.deploy.loader import LIBRARY_FILE
 from tvmbert.deploy.weights import PARAMS_FILE, load_params, save_params
+from tvmbert.frontend import models
 from tvmbert.ir.files import load_module
 from tvmbert.ir.tasks import entry_module, inference_module
 from tvmbert.kernels import KERNELS
@@ -15,14 +17,15 @@ from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
 from tvmbert.stages.optimize import optimize
 from tvmbert.tuning import database
-from tvmbert.tuning.compile import WEIGHT_LAYOUT_ENTRY, compile_tuned
+from tvmbert.tuning.compile import CUDA_GRAPH_BUILTIN, WEIGHT_LAYOUT_ENTRY, compile_tuned
 
 
 def build(job: Job, force: bool = False) -> Artifact:
     job.check_memory()  # compiling it, and running it where verify and bench do: before any stage's work
     optimized = job.upstream("optimize", optimize)
     log_dir = job.log_dir()
-    stage = CachedStage(job, "build", optimize=optimized.fingerprint, target=job.target.config,
+    cuda_graph = job.config.cuda_graph and job.target.kind == "cuda"
+    stage = CachedStage(job, "build", optimize=optimized.fingerprint, target=job.target.config, cuda_graph=cuda_graph,
                         databases=database.state(database.log_roots(job.log_root)))
     if hit := stage.reused(force):
         _suggest(job, hit.meta)
@@ -32,7 +35,7 @@ def build(job: Job, force: bool = False) -> Artifact:
     optimized_module = load_module(optimized.path)
     started = time.perf_counter()
     compiled = compile_tuned(inference_module(optimized_module, job.target), job.target, log_dir, job.say,
-                             announce="build")
+                             announce="build", cuda_graph=cuda_graph)
     params = load_params(job.stage_dir("convert") / PARAMS_FILE)
     for transform in (entry_module(optimized_module, WEIGHT_LAYOUT_ENTRY), compiled.weight_layouts):
         params = _transform_params(transform, params)
@@ -53,6 +56,8 @@ def build(job: Job, force: bool = False) -> Artifact:
         "packing": optimized.meta.get("packing"),  # a packed build's shape and position rule (packing.py)
         "random_weights": optimized.meta.get("random_weights", []),  # --allow-random-weights: drawn, not the model's
         "device_modules": device_modules(compiled.executable.mod),
+        "cuda_graph": CUDA_GRAPH_BUILTIN in compiled.executable.as_text(),  # the forward replays a captured CUDA graph
+        "gpu_kernels": gpu_kernels(compiled.executable, models.sizes(job.source).layers) if job.target.is_gpu else None,
     }
     for kernel in KERNELS:  # calls of our kernels: no task, nothing to tune
         if found := kernels_in(optimized_module, kernel.attribute):
@@ -103,6 +108,36 @@ def device_modules(module) -> list[dict]:
             })
         found.extend(device_modules(imported))
     return found
+
+
+# A kernel's own definition in CUDA source, and the instructions that run on tensor cores:
+# WMMA's C++ API and PTX's mma / wgmma (warp-group MMA, sm_90a).
+GLOBAL_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\([^;{]*\)\s*\{')
+TENSOR_CORE_CODE = re.compile(r"\bwmma::|\bw?mma\.(?:sync|sp|mma_async)")
+VM_CALL = re.compile(r"^\s*call\s+(\S+)", re.MULTILINE)
+
+
+def gpu_kernels(executable, layers: int) -> dict:
+    """The device kernels one forward launches (each call of a kernel function of the VM, times
+    the device kernels it launches), per encoder layer (the embeddings' and head's included), and
+    those whose code runs on tensor cores."""
+    sources = [imported.inspect_source("") for imported in _imports(executable.mod) if imported.kind == "cuda"]
+    bodies: dict[str, str] = {}
+    for source in sources:
+        found = list(GLOBAL_KERNEL.finditer(source))
+        for match, following in zip(found, [*found[1:], None]):
+            bodies[match.group(1)] = source[match.end():following.start() if following else len(source)]
+    launched = 0
+    for called in VM_CALL.findall(executable.as_text()):
+        launched += sum(1 for name in bodies if re.fullmatch(rf"{re.escape(called)}_kernel(?:_\d+)?", name))
+    return {"launched_per_forward": launched, "per_layer": round(launched / max(layers, 1), 1), "device_kernels": len(bodies),
+            "tensor_core": sorted(name for name, body in bodies.items() if TENSOR_CORE_CODE.search(body))}
+
+
+def _imports(module):
+    for imported in module.imports:
+        yield imported
+        yield from _imports(imported)
 
 
 def _transform_params(transform, params: dict) -> dict:
