@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine (H100/H200: Python 3.12, PyTorch with CUDA, transformers, click,
 # rich, pyyaml, psutil, cloudpickle, numpy, ml_dtypes, nvcc; no TVM, no pytest, no network) runs
-# for tvmbert, in two calls. A task has 15 minutes of device time in all (the start, idle waits
+# for tvmbert, in three calls. A task has 15 minutes of device time in all (the start, idle waits
 # and calls count), at most 10 a call, and the machine goes after 30 s idle: prepare here, then
-# make the two calls back to back.
+# make the three calls back to back.
 #
 # Here, once: fills the ignored .gpu1/ and .gpu2/ (the apache-tvm wheel in halves, the small wheels
 # beside them) and checks that each call fits 64 MiB with the files every call carries:
 #   bash benchmarks/gpu_run.sh pack
 # On the lent machine, the device tool's `run`, back to back:
 #   1. carry [".gpu1"], timeout_s 60:    bash benchmarks/gpu_run.sh unpack
-#   2. carry [".gpu2"], timeout_s 600:   bash benchmarks/gpu_run.sh install steps
-#   more on the same warm machine (no carry):  STEPS="builds bench-fp32" bash benchmarks/gpu_run.sh steps
-# Results come back under $OUT (at most 8 files): log.txt (the GPU, its driver, each step's command,
-# exit and stderr) and one file per step, each stopped at its limit so that the finished ones come
-# back when a later one runs out of time:
-#   builds.txt                              every build the steps below run (bert-base on cuda: fp32 1 x 14,
-#                                           fp16 1 x 14, 1 x 128, 8 x 128), in one process: TVM parses its
-#                                           CUDA tensor intrinsics once (5 s on 2 cores here)
-#   verify-fp32.json, verify-fp16.json      tvmbert verify MODEL --target cuda [--dtype float16]
-#   bench-fp16-b1.json, bench-fp16-b8.json  tvm against torch-eager, -sdpa and -compile on the GPU,
-#                                           synchronized, in fp16: 1 x 14 and 1 x 128; 8 x 128
-#   tests.txt                               the tests marked cuda, on the device
-#   bench-fp32.json                         the same in fp32 at 1 x 14 and 1 x 128 (on request: STEPS)
-# The default steps' limits add up to 540 s (BUILDS_S, VERIFY_S, BENCH_S, TESTS_S set them), the
-# install takes about 20: guesses from this CPU, to be set from the first GPU run's log.txt.
+#   2. carry [".gpu2"], timeout_s 500:   bash benchmarks/gpu_run.sh install steps
+#   3. no carry, timeout_s 330:         STEPS="tune records rebuild bench-tuned" bash benchmarks/gpu_run.sh steps
+#      (the same warm machine, at once: TVM in /tmp/site and the builds are still there)
+# Results come back under $OUT (at most 8 files a call), one file per step, each stopped at its limit
+# so that the finished ones come back when a later one runs out of time; log.txt has the GPU, its
+# driver, each step's command, exit and stderr. In the order that matters (call 2, then call 3):
+#   builds.txt                  every build the steps below run (bert-base on cuda, fp16: 1 x 14, 1 x 128,
+#                               8 x 128, and 1 x 128 without its CUDA graph), in one process
+#   verify-fp16.json            tvmbert verify MODEL --target cuda --dtype float16
+#   graph-check.txt             the CUDA-graph build's answers (its capture, then replays) against the graph-less build's
+#   bench-fp16-b1.json          tvm against torch-eager, -sdpa and -cudagraph on the GPU, synchronized: 1 x 14, 1 x 128
+#   bench-fp16-b8.json          the same at 8 x 128
+#   profile.txt                 benchmarks/vm_profile.py: each kernel's time at 1 x 128 (the graph-less build, synchronized)
+#   tune.json                   tvmbert tune at 1 x 128 into $WORK/logs (stopped at its limit: the records so far are kept)
+#   records.json, tuning_logs/  the records compacted (tvmbert compact), to commit under tuning_logs/
+#   rebuild.json, bench-tuned.json  the 1 x 128 build with them (tasks tuned), timed against the peers again
+# Limits (BUILDS_S ... set them) from the first H200 run (../shared/gpu/README.md: four builds 111 s,
+# verify 18-25 s, bench 60-75 s a call with three peers) with a margin: call 2's add up to 450 s,
+# call 3's to 310 s; the machine's start (~45 s), call 1 and the install (~30 s) fit in 15 minutes.
+# On request: verify-fp32, bench-fp32 (fp32 at 1 x 14 and 1 x 128), tests (the tests marked cuda).
 #
 # A dry run here: every build compiles its kernels with nvcc as on the GPU (where there is no
 # driver, a stub one whose every call fails lets TVM load its CUDA runtime; without it TVM keeps
@@ -98,18 +103,41 @@ stub_driver() {  # where there is no CUDA driver: one whose every call fails (no
     gcc -shared -fPIC -o "$1/libcuda.so.1" "$1/stub.c" && export LD_LIBRARY_PATH=$1:${LD_LIBRARY_PATH:-}
 }
 
-# `tvmbert build` of each DTYPE:BATCHxSEQ_LEN argument, in one process; one that fails leaves the others to build
+# `tvmbert build` of each DTYPE:BATCHxSEQ_LEN[:nograph] argument, in one process; one that fails leaves the others to build
 BUILDS='
 import os, sys
 from tvmbert.cli import main
 failed = []
 for build in sys.argv[1:]:
-    dtype, shape = build.split(":")
+    dtype, shape, *graph = build.split(":")
     batch, seq_len = shape.split("x")
     if main(["build", os.environ["MODEL"], "--target", "cuda", "--dtype", dtype, "--batch", batch, "--seq-len", seq_len,
-             "--workdir", os.environ["WORK"]]):
+             "--workdir", os.environ["WORK"], *(["--no-cuda-graph"] if graph else [])]):
         failed.append(build)
 sys.exit(f"failed: {failed}" if failed else 0)
+'
+
+# The CUDA-graph build of fp16 1 x 128 against the graph-less one: the first call captures, the next replay.
+GRAPH_CHECK='
+import os, sys
+import numpy as np
+from tvmbert import Job, JobConfig, build
+from tvmbert.deploy.compiled import CompiledModel
+answers = {}
+for graph in (False, True):
+    job = Job(JobConfig(model=os.environ["MODEL"], dtype="float16", seq_len=128, target="cuda", workdir=os.environ["WORK"],
+                        cuda_graph=graph))
+    built = build(job)
+    if not job.target.device_present():
+        sys.exit(print("error: the graph check runs the model: this machine has no cuda device", file=sys.stderr) or 2)
+    model, arrays = CompiledModel(built, job), [t.numpy() for t in job.inputs.as_tuple()]
+    answers[graph] = [model(arrays) for _ in range(3)]
+off = max(float(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)).max())
+          for run in answers[True] for g, w in zip(run, answers[False][0]))
+same = all(np.array_equal(g, w) for run in answers[True] for g, w in zip(run, answers[False][0]))
+verdict = "identical" if same else "DIFFERENT"
+print(f"cuda graph against graph-less, capture and 2 replays: {verdict} (max abs diff {off:.3g})")
+sys.exit(0 if same else 1)
 '
 
 run_steps() {
@@ -125,25 +153,46 @@ run_steps() {
     log="$OUT/log.txt"
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
       "$PY" -c "import tvm; print('cuda device:', tvm.cuda(0).exist)"; lscpu | grep -E "Model name|^CPU\(s\)"; } > "$log"
-    steps=" ${STEPS:-builds verify-fp32 verify-fp16 bench-fp16-b1 bench-fp16-b8 tests} "
+    steps=" ${STEPS:-builds verify-fp16 graph-check bench-fp16-b1 bench-fp16-b8 profile} "
     source benchmarks/steps.sh
     # Every build the asked steps run, first and in one process: TVM parses its CUDA tensor intrinsics
-    # once (5 s on 2 cores here), and a dry run cross-compiles each shape. The steps after reuse them.
+    # once, and a dry run cross-compiles each shape. The steps after reuse them.
     local wanted=()
     run verify-fp32 || run bench-fp32 && wanted+=(float32:1x14)
     run verify-fp16 || run bench-fp16-b1 && wanted+=(float16:1x14)
-    run bench-fp16-b1 && wanted+=(float16:1x128)
+    run bench-fp16-b1 || run graph-check || run profile && wanted+=(float16:1x128)
+    run graph-check || run profile && wanted+=(float16:1x128:nograph)
     run bench-fp16-b8 && wanted+=(float16:8x128)
     run bench-fp32 && wanted+=(float32:1x128)
-    run builds && step builds.txt "${BUILDS_S:-270}" "$PY" -c "$BUILDS" "${wanted[@]}"
+    run builds && step builds.txt "${BUILDS_S:-150}" "$PY" -c "$BUILDS" "${wanted[@]}"
     local verify=("$PY" -m tvmbert verify "$MODEL" --target cuda --workdir "$WORK" --json)
-    local bench=("$PY" -m tvmbert bench "$MODEL" --target cuda --workdir "$WORK" --repeat 20 --min-time 2 --json)
+    local engines=tvm,torch-eager,torch-sdpa,torch-cudagraph  # torch-compile's max-autotune takes minutes: on request
+    local bench=("$PY" -m tvmbert bench "$MODEL" --target cuda --workdir "$WORK" --engines "${ENGINES:-$engines}" --repeat 10
+                 --min-time 1 --json)
+    local logs=("--log-dir" "$WORK/logs")
+    run verify-fp16 && step verify-fp16.json "${VERIFY_S:-30}" "${verify[@]}" --dtype float16
+    run graph-check && step graph-check.txt "${CHECK_S:-30}" "$PY" -c "$GRAPH_CHECK"
+    run bench-fp16-b1 && step bench-fp16-b1.json "${BENCH_S:-100}" "${bench[@]}" --dtype float16 --batch 1 --seq-len 14,128
+    run bench-fp16-b8 && step bench-fp16-b8.json "${BENCH_B8_S:-70}" "${bench[@]}" --dtype float16 --batch 8 --seq-len 128
+    run profile && step profile.txt "${PROFILE_S:-40}" "$PY" benchmarks/vm_profile.py "$MODEL" --target cuda --dtype float16 \
+        --seq-len 128 --workdir "$WORK" --runs 20 --top 20
+    # Call 3: tuning where the time is (1 x 128), its records compacted and brought back, the build and bench with them.
+    run tune && step tune.json "${TUNE_S:-170}" "$PY" -m tvmbert tune "$MODEL" --target cuda --dtype float16 --seq-len 128 \
+        --workdir "$WORK" "${logs[@]}" --trials "${TRIALS:-256}" --json
+    if run records; then
+        step records.json "${RECORDS_S:-20}" "$PY" -m tvmbert compact "${logs[@]}" --json
+        for database in "$WORK"/logs/cuda-*; do  # the compacted file and the tasks marked done: what tuning_logs/ ships
+            [[ -d $database ]] || continue
+            mkdir -p "$OUT/tuning_logs/${database##*/}" && cp "$database"/records.jsonl.gz "$database"/tasks_done.json \
+                "$OUT/tuning_logs/${database##*/}/" 2>> "$log"
+        done
+    fi
+    run rebuild && step rebuild.json "${REBUILD_S:-50}" "$PY" -m tvmbert build "$MODEL" --target cuda --dtype float16 --seq-len 128 \
+        --workdir "$WORK" "${logs[@]}" --json
+    run bench-tuned && step bench-tuned.json "${BENCH_TUNED_S:-70}" "${bench[@]}" "${logs[@]}" --dtype float16 --batch 1 --seq-len 128
     run verify-fp32 && step verify-fp32.json "${VERIFY_S:-40}" "${verify[@]}"
-    run verify-fp16 && step verify-fp16.json "${VERIFY_S:-40}" "${verify[@]}" --dtype float16
-    run bench-fp16-b1 && step bench-fp16-b1.json "${BENCH_S:-80}" "${bench[@]}" --dtype float16 --batch 1 --seq-len 14,128
-    run bench-fp16-b8 && step bench-fp16-b8.json "${BENCH_S:-60}" "${bench[@]}" --dtype float16 --batch 8 --seq-len 128
-    run tests && step tests.txt "${TESTS_S:-50}" "$PY" -m pytest -v -rfEs -p no:cacheprovider -m cuda tests/test_gpu_run.py
-    run bench-fp32 && step bench-fp32.json "${BENCH_S:-80}" "${bench[@]}" --batch 1 --seq-len 14,128
+    run tests && step tests.txt "${TESTS_S:-60}" "$PY" -m pytest -v -rfEs -p no:cacheprovider -m cuda tests/test_gpu_run.py
+    run bench-fp32 && step bench-fp32.json "${BENCH_S:-100}" "${bench[@]}" --batch 1 --seq-len 14,128
     return 0  # each step's exit is in the log
 }
 

@@ -11,6 +11,10 @@ over each other's: what int8 buys over fp32, and where it does not.
 
     python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype int8 [--threads 2] [--top 15]
     python benchmarks/vm_profile.py bert-base --batch 8 --seq-len 128 --dtype float32,int8
+    python benchmarks/vm_profile.py bert-base --seq-len 128 --dtype float16 --target cuda
+
+On a GPU the build is the one without a CUDA graph (a captured forward is one call), and each
+call is timed to the device's sync after it: kernels run after their launch returns.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
 
+    import sys
+
     import numpy as np
 
     from tvmbert import Job, JobConfig, build
@@ -56,8 +62,12 @@ def main() -> None:
     builds = {}
     for dtype in dtypes:
         job = Job(JobConfig(model=args.model, batch=args.batch, seq_len=args.seq_len, dtype=dtype, target=args.target,
-                            workdir=args.workdir))
-        model = CompiledModel(build(job), job)
+                            workdir=args.workdir, cuda_graph=False))
+        built = build(job)
+        if not job.target.device_present():
+            print(f"error: the profile runs the model: this machine has no {job.target.kind} device", file=sys.stderr)
+            sys.exit(2)
+        model = CompiledModel(built, job)
         builds[dtype] = (model, model.to_device([t.numpy() for t in job.inputs.as_tuple()]))
     target = job.target.key
     set_threads(args.threads)
@@ -66,10 +76,13 @@ def main() -> None:
     run: dict[str, float] = collections.defaultdict(float)
     started: list[float] = []
 
+    sync = job.target.device().sync if job.target.is_gpu else (lambda: None)
+
     def instrument(func, name, before_run, ret_value, *call_args):
         if before_run:
             started.append(time.perf_counter())
         else:
+            sync()
             run[str(name)] += (time.perf_counter() - started.pop()) * 1e6
         return 0
 
@@ -86,6 +99,7 @@ def main() -> None:
             run.clear()
             wall = time.perf_counter()
             model.run_on_device(inputs)
+            sync()
             walls[dtype].append(time.perf_counter() - wall)
             kinds: dict[str, float] = collections.defaultdict(float)
             for name, us in run.items():

@@ -21,7 +21,10 @@ from helpers import CUDA_PRESENT, REPO, assert_one_line_error
 
 SCRIPTS = ("benchmarks/gpu_run.sh", "benchmarks/lent_machine.sh", "benchmarks/steps.sh")
 GPU_PEERS = ("torch-eager", "torch-sdpa", "torch-cudagraph", "torch-compile")
-DEVICE_STEPS = ("verify-fp32.json", "verify-fp16.json", "bench-fp16-b1.json", "bench-fp16-b8.json")
+DEVICE_STEPS = ("verify-fp16.json", "graph-check.txt", "bench-fp16-b1.json", "bench-fp16-b8.json", "profile.txt", "tune.json",
+                "bench-tuned.json")
+LIMITS = ("BUILDS_S", "VERIFY_S", "CHECK_S", "BENCH_S", "BENCH_B8_S", "PROFILE_S", "TUNE_S", "RECORDS_S", "REBUILD_S",
+          "BENCH_TUNED_S", "TESTS_S")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -36,7 +39,7 @@ def dry_run(tmp_path, steps: str) -> str:
     # The steps' limits are a GPU's; on a shared 2-core machine a bert-tiny build alone can take
     # longer, and the dry run checks that each step starts and stops where it should, not its time.
     environment = {**os.environ, "OUT": str(out), "MODEL": "bert-tiny", "PY": sys.executable, "WORK": str(tmp_path / "work"),
-                   "STEPS": steps, **dict.fromkeys(("BUILDS_S", "VERIFY_S", "BENCH_S", "TESTS_S"), "400")}
+                   "STEPS": steps, **dict.fromkeys(LIMITS, "400")}
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_run.sh")], env=environment, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr
@@ -53,17 +56,22 @@ def compiled_kernels(library: Path) -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA_PRESENT, reason="the dry run is for machines without a CUDA device")
 def test_every_gpu_step_starts_here_and_says_there_is_no_cuda_device(tmp_path):
-    """Each default step: the builds compile every shape the device steps run, each device step
-    stops at the device in one line. A step that would not start on the GPU fails here first."""
-    log = dry_run(tmp_path, "builds verify-fp32 verify-fp16 bench-fp16-b1 bench-fp16-b8 tests")
-    assert "== builds.txt: exit 0 after" in log, log
+    """Each step of the three calls: the builds compile every shape the device steps run, each
+    device step stops at the device in one line, the rebuild with the tuning logs compiles. A step
+    that would not start on the GPU fails here first."""
+    log = dry_run(tmp_path, "builds verify-fp16 graph-check bench-fp16-b1 bench-fp16-b8 profile tune records rebuild "
+                            "bench-tuned tests")
+    assert "== builds.txt: exit 0 after" in log and "== rebuild.json: exit 0 after" in log, log
     for name in DEVICE_STEPS:
         assert f"== {name}: exit 2 after" in log, log
-    assert log.count("error: verify runs the model: this machine has no cuda device") == 2, log
-    assert log.count("error: bench runs the model: this machine has no cuda device") == 2, log
-    for build in ("b1-s14-float32", "b1-s14-float16", "b1-s128-float16", "b8-s128-float16"):
-        [library] = (tmp_path / "work").glob(f"bert-tiny/{build}/cuda-*/build/model.so")
-        assert compiled_kernels(library), build
+    assert log.count("error: verify runs the model: this machine has no cuda device") == 1, log
+    assert log.count("error: bench runs the model: this machine has no cuda device") == 3, log
+    assert "the graph check runs the model: this machine has no cuda device" in log, log
+    assert "the profile runs the model: this machine has no cuda device" in log and "--rpc-tracker" in log, log
+    for build in ("b1-s14-float16", "b1-s128-float16", "b8-s128-float16"):
+        libraries = list((tmp_path / "work").glob(f"bert-tiny/{build}/cuda-*/build/model.so"))
+        assert libraries and all(compiled_kernels(library) for library in libraries), build
+    assert len(list((tmp_path / "work").glob("bert-tiny/b1-s128-float16/cuda-*/build/model.so"))) == 2  # with and without its graph
     assert "== tests.txt: exit 0 after" in log and "no CUDA device on this machine" in (tmp_path / "out" / "tests.txt").read_text()
 
 

@@ -97,7 +97,9 @@ class Job:
         base = Path(self.config.workdir) / self.source.key / self.shape_key
         if not STAGES[stage].per_target:
             return base / stage
-        return base / self.target.key / stage
+        # A graph-less CUDA build beside the captured one: each is rebuilt only when its inputs change.
+        without_graph = "_no-cuda-graph" if self.target.kind == "cuda" and not self.config.cuda_graph else ""
+        return base / (self.target.key + without_graph) / stage
 
     @property
     def weights_pool(self) -> Path:
