@@ -22,6 +22,7 @@ def _report(bound=None):
               "machine_jitter": {"p99_ratio": 1.52}, "engines": engines}
     report = {"model": "bert-tiny", "dtype": "float32", "random_weights": [], "environment": {"threads": 2, "target": "llvm-znver4"},
               "floor": None, "results": [result]}
+    engines["torch-compile"]["accuracy"] = {"max_abs_diff": 2.3, "bound": 0.2, "within": False}  # timed, flagged, in no ratio
     if bound:
         report["floor"] = {"fma_gflop_per_s": 190.1, "memory_gb_per_s": 23.4, "cache_bytes": 2**25, "dtype": "float32"}
         result.update(fma_gflop_per_s=187.3, floor_ms=0.1234, bound=bound)
@@ -44,11 +45,13 @@ def test_a_bench_table_never_cuts_a_number(monkeypatch, width, bound):
         assert name in text
         if "skipped" in stats:
             continue
-        row = next(line for line in text.splitlines() if line.startswith(f"│ {name} "))
+        row = next(line for line in text.splitlines() if line.startswith(f"│ {name}"))
         shown = row.split("│")[2:-1]
         assert f"{stats['median_ms']:.3f}" in shown[0]
         assert all(cell.strip() and " " not in cell.strip() for cell in shown), row
     assert "openvino is not installed" in text
+    assert "│ torch-compile† " in text and ("† torch-compile's results are beyond the bench's bound (0.2): max abs diff 2.3; "
+                                          "timed, left out of tvm / best other") in " ".join(text.split())
     if width == 60:
         assert "left out at 60 columns" in text
     if bound:

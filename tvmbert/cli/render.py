@@ -146,6 +146,9 @@ def bench_training(report):
 
 
 def bench(report):
+    from tvmbert.stages.bench.report import BEYOND_BOUND_MARK
+    from tvmbert.stages.bench.timing import beyond_bound, left_out_of_ratio
+
     env = report["environment"]
     for result in report["results"]:
         timed = {name: stats for name, stats in result["engines"].items() if "skipped" not in stats}
@@ -154,7 +157,7 @@ def bench(report):
             f"{report['model']} {result['batch']}x{result['seq_len']}"
             + (f" ({result['padding']:.0%} padding)" if result["padding"] else "")
             + f", {report['dtype']}, {env['threads']} threads, {env['target']}",
-            {"engine": list(timed),
+            {"engine": [name + (BEYOND_BOUND_MARK if beyond_bound(stats) else "") for name, stats in timed.items()],
              "median ms": [f"{stats['median_ms']:.3f}" for stats in engines],
              "p90 ms": [f"{stats['p90_ms']:.3f}" for stats in engines],
              "p99 ms": [f"{stats['p99_ms']:.3f}" for stats in engines],
@@ -169,6 +172,8 @@ def bench(report):
         for name, stats in result["engines"].items():
             if "skipped" in stats:
                 out.print(f"[dim]{name}: skipped: {stats['skipped']}[/dim]")
+            elif beyond_bound(stats):
+                out.print(f"[yellow]{BEYOND_BOUND_MARK} {left_out_of_ratio(name, [(None, stats['accuracy'])])}[/yellow]")
         if result["ratio"]:
             verdict = "tvm faster" if result["ratio"] < 1 else "tvm slower"
             out.print(f"tvm median / best other's ({result['best_other']}): {result['ratio']:.2f} ({verdict})")

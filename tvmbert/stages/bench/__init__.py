@@ -1,9 +1,10 @@
 """Stage 7: latency of the TVM build against the engines a user could pick instead, measured fairly.
 
 Same weights, same inputs, same thread count for every engine; outputs checked against PyTorch
-before timing (a wrong engine is reported, not timed); warm-up; engines interleaved round by
-round so that machine drift hits all of them alike; repeats until both a minimum count and a
-minimum time; medians and percentiles. Sweeps over batch, sequence length and padding.
+before timing (an engine beyond the bound is timed, flagged and left out of the ratios; one that
+fails to run is reported, not timed); warm-up; engines interleaved round by round so that
+machine drift hits all of them alike; repeats until both a minimum count and a minimum time;
+medians and percentiles. Sweeps over batch, sequence length and padding.
 
 engines: the engines (registry.ENGINES names them), set up and checked; timing: the timed rounds
 and their statistics; floor: this machine's FMA peak and memory bandwidth, what each shape's

@@ -360,15 +360,25 @@ def _make(name: str, job: Job, inputs, threads: int) -> Engine:
     return engine
 
 
-def _check(engine: Engine, expected: list[np.ndarray], mask: np.ndarray, per_token: list[bool], tolerance: float) -> str | None:
-    """Compares per-token outputs on real tokens only: padded positions are not part of anybody's answer."""
+class Incomparable(Exception):
+    """An engine's outputs that cannot be compared with the reference: their count, a shape, a NaN or inf."""
+
+
+def _check(engine: Engine, expected: list[np.ndarray], mask: np.ndarray, per_token: list[bool], tolerance: float) -> dict:
+    """Its largest difference from ``expected`` on real tokens only (padded positions are not part
+    of anybody's answer), the bound and whether it is within: an engine beyond it is still timed,
+    so that its time and its error are seen side by side."""
     got = engine.outputs()
     if len(got) != len(expected):
-        return f"returned {len(got)} outputs, expected {len(expected)}"
+        raise Incomparable(f"returned {len(got)} outputs, expected {len(expected)}")
     worst = 0.0
     for have, want, token_rows in zip(got, expected, per_token):
+        if np.shape(have) != want.shape:
+            raise Incomparable(f"returned an output of shape {np.shape(have)}, expected {want.shape}")
         diff = np.abs(np.asarray(have, dtype=np.float64) - want.astype(np.float64))
         if token_rows:
             diff = diff[mask.astype(bool)]
+        if not np.isfinite(diff).all():
+            raise Incomparable("returned NaN or inf")
         worst = max(worst, float(diff.max()))
-    return f"wrong results: max abs diff {worst:.3g} > {tolerance:.3g}" if worst > tolerance else None
+    return {"max_abs_diff": float(f"{worst:.3g}"), "bound": tolerance, "within": worst <= tolerance}

@@ -17,6 +17,7 @@ from tvmbert.stages.bench import floor
 from tvmbert.stages.bench.engines import (
     IN_PEER_DTYPE,
     QUANTIZED_PEERS,
+    Incomparable,
     _available,
     _check,
     _make,
@@ -26,7 +27,7 @@ from tvmbert.stages.bench.engines import (
     peer_dtype,
     reference,
 )
-from tvmbert.stages.bench.timing import _ratios, _summary, environment, measure, set_threads
+from tvmbert.stages.bench.timing import _ratios, _summary, environment, left_out_of_ratio, measure, set_threads
 from tvmbert.stages.build import build
 from tvmbert.stages.job import Job
 
@@ -70,8 +71,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             try:
                 engines.append(_make(name, job, inputs, threads))
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is skipped, with the reason
-                first = (str(exc).strip().splitlines() or [""])[0][:160]
-                reason = f"failed to set up: {type(exc).__name__}: {first}"
+                reason = f"failed to set up: {_first_line(exc)}"
         if reason is not None:
             report[name] = {"skipped": reason}
             job.say(f"bench: {name} skipped: {reason}")
@@ -80,14 +80,19 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
         expected = [np.asarray(o) for o in eager.outputs()]
     else:  # no eager engine, or it runs in bf16: the fp32 reference apart
         expected = reference(job, inputs)
-    timed = []
+    timed, accuracy = [], {}
     for engine in engines:
-        problem = _check(engine, expected, mask, per_token, check_tolerance(engine.name, job.config.dtype, job.target.is_gpu))
-        if problem:
+        try:
+            accuracy[engine.name] = _check(engine, expected, mask, per_token,
+                                           check_tolerance(engine.name, job.config.dtype, job.target.is_gpu))
+        except Exception as exc:  # noqa: BLE001 - an engine that fails to run or answers nothing comparable is not timed
+            problem = str(exc) if isinstance(exc, Incomparable) else f"failed to run: {_first_line(exc)}"
             report[engine.name] = {"skipped": problem}
             job.say(f"bench: {engine.name} not timed: {problem}")
-        else:
-            timed.append(engine)
+            continue
+        timed.append(engine)
+        if not accuracy[engine.name]["within"]:
+            job.say(f"bench: {left_out_of_ratio(engine.name, [(None, accuracy[engine.name])])}")
     job.say(f"bench: {shape.batch}x{shape.seq_len} padding {shape.padding:g}: {', '.join(e.name for e in timed)} on "
             f"{threads} threads, >= {options.repeat} runs and >= {options.min_time_s} s each, interleaved")
     start_floor, probe = machine_floor or (None, None)
@@ -106,11 +111,16 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
         report[engine.name]["gflop_per_s"] = round(gflop / (report[engine.name]["median_ms"] / 1000), 1)
         if floor_ms is not None and floor.applies_to(engine.name):
             report[engine.name]["of_floor"] = round(floor_ms / report[engine.name]["median_ms"], 3)
+        report[engine.name]["accuracy"] = accuracy[engine.name]
     ordered = {name: report[name] for name in engine_names if name in report}
     return {"batch": shape.batch, "seq_len": shape.seq_len, "padding": shape.padding, "gflop": round(gflop, 2), **shape_floor,
             "engines": ordered,
             **_ratios(ordered, job.config.dtype),
             "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
 
 
 def engine_dtypes(dtype: str, engines, gpu: bool = False) -> dict[str, str]:

@@ -6,18 +6,26 @@ import csv
 import io
 
 from tvmbert.stages.bench.engines import ENGINES
+from tvmbert.stages.bench.timing import beyond_bound, left_out_of_ratio
+
+BEYOND_BOUND_MARK = "†"  # beside the time of an engine beyond the bench's bound; a line under the table says by how much
 
 
 def to_csv(report: dict) -> str:
     buffer = io.StringIO()
     columns = ["model", "dtype", "batch", "seq_len", "padding", "engine", "median_ms", "p90_ms", "p99_ms", "mean_ms",
-               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "gflop_per_s", "of_floor", "setup_s", "memory_mb", "skipped"]
+               "after_idle_ms", "quiet_after_ms", "runs", "throughput", "gflop_per_s", "of_floor", "setup_s", "memory_mb",
+               "max_abs_diff", "accuracy_bound", "within_bound", "skipped"]
     writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
     for result in report["results"]:
         for engine, stats in result["engines"].items():
+            accuracy = stats.get("accuracy", {})
             writer.writerow({"model": report["model"], "dtype": report["dtype"], "batch": result["batch"],
-                             "seq_len": result["seq_len"], "padding": result["padding"], "engine": engine, **stats})
+                             "seq_len": result["seq_len"], "padding": result["padding"], "engine": engine,
+                             **{key: value for key, value in stats.items() if key != "accuracy"},
+                             "max_abs_diff": accuracy.get("max_abs_diff"), "accuracy_bound": accuracy.get("bound"),
+                             "within_bound": accuracy.get("within")})
     return buffer.getvalue()
 
 
@@ -35,8 +43,9 @@ def plot(report: dict) -> bytes:
         for engine in ENGINES:
             points = sorted((r["seq_len"], r["engines"][engine]["median_ms"]) for r in rows
                             if "median_ms" in r["engines"].get(engine, {}))
+            beyond = any(beyond_bound(r["engines"].get(engine, {})) for r in rows)
             if points:
-                axis.plot(*zip(*points), marker="o", label=engine)
+                axis.plot(*zip(*points), marker="o", label=engine + (" (results beyond the bound)" if beyond else ""))
         axis.set_title(f"{report['model']}, batch {batch}" + (f", {padding:.0%} padding" if padding else ""))
         axis.set_xlabel("sequence length")
         axis.set_ylabel("median latency (ms)")
@@ -75,10 +84,15 @@ def to_markdown(report: dict, command: str) -> str:
         cells = []
         for name in names:
             stats = result["engines"].get(name, {})
-            cells.append(f"{stats['median_ms']:.2f} ({stats['p99_ms']:.2f}; {stats['after_idle_ms']:.2f})" if "median_ms" in stats
-                         else "skipped")
+            cells.append(f"{stats['median_ms']:.2f} ({stats['p99_ms']:.2f}; {stats['after_idle_ms']:.2f})"
+                         + (BEYOND_BOUND_MARK if beyond_bound(stats) else "") if "median_ms" in stats else "skipped")
         ratio = f"{result['ratio']:.2f} vs {result['best_other']}" if result["ratio"] else "-"
         lines.append(f"| {result['batch']} x {result['seq_len']} | {result['padding']:g} | " + " | ".join(cells) + f" | {ratio} |")
+    for name in names:
+        measured = [(f"{r['batch']} x {r['seq_len']}" + (f" padding {r['padding']:g}" if r["padding"] else ""), r["engines"][name]["accuracy"])
+                    for r in report["results"] if beyond_bound(r["engines"].get(name, {}))]
+        if measured:
+            lines += ["", f"{BEYOND_BOUND_MARK} {left_out_of_ratio(name, measured)}."]
     if all("gflop" in result for result in report["results"]):
         machine_floor = report.get("floor")
         lines += ["", "GFLOP/s: each shape's encoder FLOPs (a multiply-add is two) over each median."]

@@ -179,8 +179,9 @@ def _ratios(engines: dict, dtype: str = "float32") -> dict:
     """ratio: tvm's median over the best other engine's (below 1: tvm is faster), for a quantized
     dtype the best engine quantized to it where one was timed (int8 against int8);
     speedup: torch-eager's median over tvm's; packed_speedup: tvm's over tvm-packed's (the
-    padded build over the packed one; not a peer, so never the best other)."""
-    timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats}
+    padded build over the packed one; not a peer, so never the best other). An engine beyond the
+    bench's bound is in none of them: a wrong answer's speed is no rival's (``left_out_of_ratio``)."""
+    timed = {name: stats["median_ms"] for name, stats in engines.items() if "median_ms" in stats and not beyond_bound(stats)}
     if "tvm" not in timed:
         return {"ratio": None, "best_other": None, "speedup": None, "packed_speedup": None}
     others = {name: median for name, median in timed.items() if name not in ("tvm", "tvm-packed")}
@@ -193,6 +194,19 @@ def _ratios(engines: dict, dtype: str = "float32") -> dict:
         "speedup": round(timed["torch-eager"] / timed["tvm"], 3) if "torch-eager" in timed else None,
         "packed_speedup": round(timed["tvm"] / timed["tvm-packed"], 3) if "tvm-packed" in timed else None,
     }
+
+
+def beyond_bound(stats: dict) -> bool:
+    """A timed engine whose results differ from the reference by more than the bench's bound."""
+    return "accuracy" in stats and not stats["accuracy"]["within"]
+
+
+def left_out_of_ratio(name: str, measured: list[tuple[str | None, dict]]) -> str:
+    """Why an engine beyond the bound is timed but in no ratio, with its error at each shape
+    (``measured``: a shape's label, or None for one shape, and the engine's ``accuracy`` there)."""
+    diffs = ", ".join(f"{accuracy['max_abs_diff']:.3g}" + (f" at {label}" if label else "") for label, accuracy in measured)
+    return (f"{name}'s results are beyond the bench's bound ({measured[0][1]['bound']:.3g}): max abs diff {diffs}; timed, "
+            + ("no tvm / best other" if name == "tvm" else "left out of tvm / best other"))
 
 
 def environment(job: Job, threads: int) -> dict:
