@@ -114,8 +114,8 @@ def test_bench_in_bf16_runs_the_pytorch_peers_in_bf16(tvmbert):
                       "--repeat", "3", "--min-time", "0", "--warmup", "1", "--json")
     assert outcome.code == 0, outcome.stderr
     report = outcome.json
-    # Every engine checked against fp32 PyTorch eager and timed (none reported wrong).
-    assert all("median_ms" in stats for stats in report["engines"].values()), report["engines"]
+    # Every engine checked against fp32 PyTorch eager, within the bench's bound, and timed.
+    assert all("median_ms" in stats and stats["accuracy"]["within"] for stats in report["engines"].values()), report["engines"]
     assert report["engine_dtypes"]["torch-eager"].startswith("bfloat16")
     assert report["engine_dtypes"]["onnxruntime"] == "float32"
     assert "AMX" in report["engine_dtypes"]["tvm"]

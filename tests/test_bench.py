@@ -32,7 +32,7 @@ def test_bench_peers_sweep_padding_csv_and_plot(tvmbert, tmp_path, workdir):
         for stats in result["engines"].values():
             assert stats["runs"] >= 3 and stats["p99_ms"] >= stats["p90_ms"] >= stats["median_ms"] > 0
             assert stats["after_idle_ms"] > 0 and 0 <= stats["quiet_after_ms"] <= 1000
-            assert stats["throughput"] > 0 and stats["setup_s"] >= 0
+            assert stats["throughput"] > 0 and stats["setup_s"] >= 0 and stats["accuracy"]["within"]
         assert result["ratio"] > 0 and result["best_other"] in result["engines"]
         jitter = result["machine_jitter"]
         assert jitter["median_ms"] > 0 and jitter["p99_ratio"] >= 1 and jitter["runs"] >= 3 * 4

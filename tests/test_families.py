@@ -147,7 +147,8 @@ def test_bench_checks_every_engine_on_each_family(tvmbert, saved, tmp_path, mode
                       "--repeat", "3", "--min-time", "0", "--warmup", "1", "--log-dir", str(tmp_path), "--json")
     assert outcome.code == 0, outcome.stderr
     engines = outcome.json["engines"]
-    assert all("median_ms" in engines[name] for name in ("tvm", "torch-eager", "torch-sdpa", "onnxruntime")), engines
+    assert all("median_ms" in engines[name] and engines[name]["accuracy"]["within"]
+               for name in ("tvm", "torch-eager", "torch-sdpa", "onnxruntime")), engines
 
 
 def test_records_of_an_equal_kernel_of_another_model_apply(tvmbert, tuned_schedules):
