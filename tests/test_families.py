@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tvmbert.core.errors import InputError
-from tvmbert.core.families import FAMILIES, PRESETS, TASKS
+from tvmbert.core.families import DEBERTA_V3, FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
 from helpers import WITHOUT_KERNELS, assert_one_line_error
@@ -16,6 +16,10 @@ from helpers import WITHOUT_KERNELS, assert_one_line_error
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
 DISTILBERT_SMALL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=40)
+# A global and a local layer, its window (8) below the samples' lengths; special tokens in the vocabulary.
+MODERNBERT_SMALL = dict(SMALL, intermediate_size=48, local_attention=8, pad_token_id=0, bos_token_id=1, cls_token_id=1,
+                        eos_token_id=2, sep_token_id=2)
+DEBERTA_V3_SMALL = dict(SMALL, **DEBERTA_V3, position_buckets=8, type_vocab_size=0)
 
 
 def _save(folder, class_name: str, **config) -> str:
@@ -39,6 +43,8 @@ def saved(tmp_path_factory):
         ("RobertaForMaskedLM", dict(SMALL, max_position_embeddings=42)),
         ("ElectraModel", dict(SMALL, embedding_size=16)),
         ("BertForPreTraining", SMALL),
+        ("ModernBertForSequenceClassification", dict(MODERNBERT_SMALL, num_labels=3, classifier_pooling="mean")),
+        ("DebertaV2ForQuestionAnswering", DEBERTA_V3_SMALL),
     ]:
         made[class_name] = _save(tmp_path_factory.mktemp(class_name), class_name, **config)
     return made
@@ -50,6 +56,8 @@ def saved(tmp_path_factory):
     ("AlbertForQuestionAnswering", "question-answering", ["start_logits", "end_logits"]),
     ("RobertaForMaskedLM", "fill-mask", ["logits"]),
     ("ElectraModel", "feature-extraction", ["last_hidden_state"]),  # ELECTRA has no pooler
+    ("ModernBertForSequenceClassification", "text-classification", ["logits"]),
+    ("DebertaV2ForQuestionAnswering", "question-answering", ["start_logits", "end_logits"]),
 ])
 def test_task_is_inferred_from_architectures(saved, class_name, task, outputs):
     source = models.resolve(saved[class_name])
@@ -108,6 +116,8 @@ def test_every_family_has_every_head():
     ("RobertaForMaskedLM", "float32", ("--batch", "2", "--seq-len", "11")),
     ("distilbert-tiny", "float64", ()),
     ("albert-tiny", "float32", ("--task", "text-classification")),
+    ("ModernBertForSequenceClassification", "float64", ("--seq-len", "20")),
+    ("DebertaV2ForQuestionAnswering", "float64", ("--seq-len", "20")),
 ])
 def test_verify_heads_and_families(tvmbert, saved, tmp_path, model, dtype, args):
     outcome = tvmbert("verify", saved.get(model, model), "--dtype", dtype, *args, "--log-dir", str(tmp_path), "--json")
@@ -178,6 +188,26 @@ def test_albert_stores_its_shared_layer_once(tvmbert, tmp_path):
     weights = load_params(params)
     distinct = {id(w): w for w in weights.values()}
     assert built.json["weight_bytes"] == sum(w.nbytes for w in distinct.values()) < sum(w.nbytes for w in weights.values())
+
+
+@pytest.mark.parametrize("name", ["modernbert-tiny", "deberta-v3-tiny"])
+def test_position_tables_hold_transformers_numbers(name):
+    """ModernBERT's rotary tables and DeBERTa's relative-position buckets, made once at load
+    (frontend/exact.py), give what transformers' own model computes, in every layer and on padded rows."""
+    import transformers
+
+    source = models.resolve(name)
+    config = models.preset_config(name)
+    torch.manual_seed(0)
+    plain = getattr(transformers, FAMILIES[source.family].model_prefix + "Model")(config).eval()
+    tabled = models.load(source)
+    ids = torch.randint(5, source.vocab_size, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 13:] = 0
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = tabled(ids, mask)[0]
+    assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_every_familys_inputs_are_a_prefix_of_berts():

@@ -40,6 +40,18 @@ class Family:
     # packing.POSITIONS key), and its pooler applied to each sequence's first token.
     positions: str = "index"
     pool: Callable = _pooler
+    # Why packed builds refuse this family, where they do: its attention is not the one
+    # packed_attention.py replaces per sequence.
+    not_packable: str = ""
+    # What the model computes from positions alone, made a table at load (a
+    # frontend/exact.POSITION_TABLES key; "" for none).
+    position_tables: str = ""
+    # Its eager attention takes the softmax in float32 whatever the model's dtype: float64 models
+    # load with frontend/exact.FLOAT64_ATTENTION.
+    softmax_in_float32: bool = False
+    # Our kernels its graph does not take, each with why (build names them): those layers run the
+    # graph path, compiled and tuned as any other TVM graph.
+    kernels_not_applied: dict[str, str] = field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,6 +70,21 @@ FAMILIES: dict[str, Family] = {
     # Its pooler is a bare Linear, with the tanh apart.
     "albert": Family("AlbertConfig", "Albert", layers=lambda base: base.encoder.albert_layer_groups[0].albert_layers,
                      pool=lambda base, first_tokens: base.pooler_activation(base.pooler(first_tokens))),
+    # Pre-norm layers without biases, GeGLU, rotary positions, and a local attention (a window of
+    # local_attention tokens) in two layers of three. No segment ids, no pooler.
+    "modernbert": Family("ModernBertConfig", "ModernBert", inputs=("input_ids", "attention_mask"),
+                         layers=lambda base: base.layers, position_tables="rotary", softmax_in_float32=True,
+                         not_packable="its local layers' window is not in the packed attention",
+                         kernels_not_applied={
+                             "fma": "its linear layers have no bias; the kernel takes a matmul with its bias add",
+                             "int8": "its linear layers have no bias: int8 builds run its matmuls in fp32",
+                             "attention": "rotary positions between the projections and the scores; local layers' windowed mask"}),
+    # DeBERTa-v3's model_type. Disentangled attention: content-to-position and position-to-content
+    # scores from relative-position buckets. v3 configs have type_vocab_size 0: no segment ids.
+    "deberta-v2": Family("DebertaV2Config", "DebertaV2", position_tables="relative-buckets",
+                         not_packable="its disentangled attention is not the one packed builds replace",
+                         kernels_not_applied={
+                             "attention": "disentangled attention: the c2p and p2c position scores join the content scores"}),
 }
 
 
@@ -103,8 +130,12 @@ class Preset:
     sizes: dict  # num_hidden_layers, hidden_size, num_attention_heads, intermediate_size (+ family extras)
     vocab_size: int = 30522
     max_positions: int = 512
-    type_vocab_size: int = 2
+    type_vocab_size: int = 2  # 0: the family's embeddings have no segment ids (DeBERTa-v3)
 
+
+# DeBERTa-v3's attention, as microsoft/deberta-v3-* configs set it (position_buckets apart).
+DEBERTA_V3 = dict(relative_attention=True, norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type=["p2c", "c2p"],
+                  position_biased_input=False, max_relative_positions=-1, layer_norm_eps=1e-7)
 
 PRESETS: dict[str, Preset] = {
     "bert-tiny": Preset("bert", dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=512)),
@@ -118,6 +149,19 @@ PRESETS: dict[str, Preset] = {
                                          embedding_size=64), vocab_size=30000),
     "albert-base": Preset("albert", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
                                          embedding_size=128), vocab_size=30000),
+    # answerdotai/ModernBERT-base's architecture; the tiny one keeps a global and a local layer, with
+    # a window (8 tokens) below the tests' sequences.
+    "modernbert-tiny": Preset("modernbert", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=96,
+                                                 local_attention=8, pad_token_id=0, bos_token_id=1, cls_token_id=1, eos_token_id=2,
+                                                 sep_token_id=2), vocab_size=1000),
+    "modernbert-base": Preset("modernbert", dict(num_hidden_layers=22, hidden_size=768, num_attention_heads=12,
+                                                 intermediate_size=1152), vocab_size=50368, max_positions=8192),
+    # microsoft/deberta-v3-base's architecture; the tiny one with 8 position buckets, so that the
+    # tests' sequences reach its log-scaled buckets.
+    "deberta-v3-tiny": Preset("deberta-v2", dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                                 **DEBERTA_V3, position_buckets=8), vocab_size=1000, type_vocab_size=0),
+    "deberta-v3-base": Preset("deberta-v2", dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072,
+                                                 **DEBERTA_V3, position_buckets=256), vocab_size=128100, type_vocab_size=0),
 }
 
 

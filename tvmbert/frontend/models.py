@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEFAULT_TASK, FAMILIES, PRESETS, TASKS, Family, preset_config_kwargs, task_of_architecture
 from tvmbert.core.memory import ModelSizes
+from tvmbert.frontend import exact
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +34,9 @@ def stay_offline() -> None:
     CLI and a Job call it first). A user who sets it to 0 still never reaches a hub: every load
     passes local_files_only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Families whose embeddings skip segment ids at type_vocab_size 0 (the others would index an empty table).
+UNTYPED_FAMILIES = ("deberta-v2",)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -56,8 +60,10 @@ class ModelSource:
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        """What the compiled model takes, in order."""
-        return FAMILIES[self.family].inputs
+        """What the compiled model takes, in order: no segment ids where its config has no kinds
+        of them (DeBERTa-v3's type_vocab_size 0: its embeddings never read them)."""
+        inputs = FAMILIES[self.family].inputs
+        return inputs if self.type_vocab_size else tuple(name for name in inputs if name != "token_type_ids")
 
     @property
     def input_limits(self) -> dict[str, int]:
@@ -138,7 +144,7 @@ def resolve(name: str, seed: int = 0, task: str | None = None, allow_random_weig
         fingerprint=_hash(config_file.read_text(), *stats, f"task={task}", *([f"random-seed={seed}"] if allow_random_weights else [])),
         max_positions=_positive(config_json, "max_position_embeddings", 512, config_file),
         vocab_size=_positive(config_json, "vocab_size", 30522, config_file),
-        type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file),
+        type_vocab_size=_positive(config_json, "type_vocab_size", 2, config_file, least=0 if model_type in UNTYPED_FAMILIES else 1),
         family=model_type,
         task=task,
         random_weights_allowed=allow_random_weights,
@@ -175,11 +181,11 @@ def _task_from_architectures(name: str, config_json: dict, family: Family) -> st
     return task
 
 
-def _positive(config_json: dict, key: str, default: int, config_file: Path) -> int:
+def _positive(config_json: dict, key: str, default: int, config_file: Path, least: int = 1) -> int:
     """A size from config.json, checked here: a bad one would otherwise fail deep in transformers."""
     value = config_json.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"{config_file}: '{key}' must be a number >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InputError(f"{config_file}: '{key}' must be a number >= {least}, got {value!r}")
     return value
 
 
@@ -189,6 +195,8 @@ def preset_config(name: str, task: str = DEFAULT_TASK):
 
     preset = PRESETS[name]
     sizes = {**preset_config_kwargs(preset), "vocab_size": preset.vocab_size, "max_position_embeddings": preset.max_positions}
+    if "token_type_ids" in FAMILIES[preset.family].inputs:
+        sizes["type_vocab_size"] = preset.type_vocab_size
     if TASKS[task].fixed_labels:
         sizes["num_labels"] = TASKS[task].fixed_labels
     return getattr(transformers, FAMILIES[preset.family].config_class)(**sizes, attn_implementation="eager")
@@ -243,6 +251,8 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
             out = self.model(**{name: given[name] for name in self.input_names})
             return tuple(out[name] for name in self.output_names)
 
+    if attn_implementation == "eager" and dtype == "float64" and FAMILIES[source.family].softmax_in_float32:
+        attn_implementation = exact.float64_attention()
     if source.preset is not None:
         config = preset_config(source.preset, source.task)
         config._attn_implementation = attn_implementation
@@ -250,6 +260,8 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
         model = model_class(source)(config)
     else:
         model = _from_directory(source, attn_implementation, seed)
+    if tables := FAMILIES[source.family].position_tables:
+        exact.POSITION_TABLES[tables](model.base_model, source.max_positions)
     outputs = TASKS[source.task].outputs
     if getattr(model, "pooler", None) is None:  # DistilBERT, ELECTRA, and encoders saved without one
         outputs = tuple(name for name in outputs if name != "pooler_output")

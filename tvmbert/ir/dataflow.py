@@ -52,11 +52,13 @@ def weights_of(function) -> set:
 
 def weight_matmul_sizes(call, weights) -> tuple[tuple[int, ...], int, int] | None:
     """``(lead, n, k)`` of ``matmul(x[*lead, k], W[k, n])`` with W a weight and every size static;
-    None for anything else (two activations, batched weights, symbolic shapes)."""
+    None for anything else (two activations, batched weights, symbolic shapes, and x a weight
+    too: DeBERTa's relative-position embeddings through its key projection are build-time work,
+    which bind-params folds; a kernel call there would be compiled into that build-time function)."""
     if getattr(call.op, "name", None) != "relax.matmul" or len(call.args) != 2:
         return None
     lhs, rhs = call.args
-    if rhs not in weights:
+    if rhs not in weights or lhs in weights:
         return None
     x_shape, w_shape = static_shape(lhs), static_shape(rhs)
     if x_shape is None or w_shape is None:

@@ -6,6 +6,7 @@ import re
 import time
 
 from tvmbert.core.artifacts import Artifact
+from tvmbert.core.families import FAMILIES
 from tvmbert.deploy.loader import LIBRARY_FILE
 from tvmbert.deploy.weights import PARAMS_FILE, load_params, save_params
 from tvmbert.frontend import models
@@ -64,6 +65,9 @@ def build(job: Job, force: bool = False) -> Artifact:
             meta[f"{kernel.name}_kernels"] = found
             if kernel.instructions_in is not None:  # the proof that the library holds its instructions
                 meta[f"{kernel.name}_instructions"] = kernel.instructions_in(compiled.executable)
+    if any(f"{kernel.name}_kernels" in meta for kernel in KERNELS):  # ours run in this build: say which cannot
+        meta["kernels_not_applied"] = {name: why for name, why in FAMILIES[job.source.family].kernels_not_applied.items()
+                                       if f"{name}_kernels" not in meta}
     with stage.writing(meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params, job.weights_pool)  # stage.json is written after this block
@@ -75,6 +79,10 @@ def build(job: Job, force: bool = False) -> Artifact:
 def _suggest(job: Job, meta: dict) -> None:
     """What would make this build faster, said after every build (a cached one too)."""
     _suggest_adapt(job, meta)
+    if not_applied := meta.get("kernels_not_applied"):
+        reasons = "; ".join(f"{name} ({why})" for name, why in not_applied.items())
+        job.say(f"build: of our kernels, these do not apply to {job.source.family}, whose layers run TVM's schedules there "
+                f"instead: {reasons}")
 
 
 def _say_without_kernels(job: Job) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from tvmbert.core import artifacts, targets
 from tvmbert.core.config import JobConfig
 from tvmbert.core.errors import InputError
-from tvmbert.core.families import TASKS
+from tvmbert.core.families import FAMILIES, TASKS
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT
 from tvmbert.deploy.loader import LIBRARY_FILE
@@ -78,6 +78,9 @@ def export(job_or_config: Job | JobConfig, out_dir: str | Path | None = None, ba
     if min(batches) < 1:
         raise InputError(f"--batch must be >= 1, got {min(batches)}")
     packed = options.packed if packed is None else packed
+    if packed and (why := FAMILIES[job.source.family].not_packable):
+        raise InputError(f"--packed: packed builds of {job.source.family} models are not supported yet ({why}); export it "
+                         "without --packed")
     if packed and not TASKS[job.source.task].packable:
         raise InputError(f"--packed: {job.source.task} has no packed builds (its head reads each sequence's first token inside "
                          "the model); export it without --packed")

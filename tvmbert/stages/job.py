@@ -12,7 +12,7 @@ from tvmbert.core.artifacts import Artifact
 from tvmbert.core.config import JobConfig, user_log_dir
 from tvmbert.core.console import to_stderr
 from tvmbert.core.errors import InputError
-from tvmbert.core.families import TASKS
+from tvmbert.core.families import FAMILIES, TASKS
 from tvmbert.core.registry import STAGES
 from tvmbert.frontend import models
 from tvmbert.kernels import fma
@@ -84,6 +84,9 @@ class Job:
         return self.config.tokens is not None
 
     def _check_packed(self) -> None:
+        if why := FAMILIES[self.source.family].not_packable:
+            raise InputError(f"--tokens: packed builds of {self.source.family} models are not supported yet ({why}); "
+                             "build it without --tokens")
         if not TASKS[self.source.task].packable:
             packable = ", ".join(name for name, task in TASKS.items() if task.packable)
             raise InputError(f"--tokens: a packed build of {self.source.task} is not supported (its head reads each sequence's "
