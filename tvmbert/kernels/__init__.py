@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tvmbert.kernels import amx, attention, fma, int8, layer_norm
+from tvmbert.kernels import amx, attention, flash_attention, fma, int8, layer_norm
 
 
 @dataclass(frozen=True)
@@ -29,4 +29,5 @@ KERNELS = (
     Kernel("fma", fma.KERNEL_ATTR, "fma-fp32"),
     Kernel("attention", attention.KERNEL_ATTR, "attention-fp32"),
     Kernel("layer_norm", layer_norm.KERNEL_ATTR, "layer-norm-fp32"),
+    Kernel("flash_attention", flash_attention.KERNEL_ATTR, "flash-attention"),
 )

@@ -74,6 +74,12 @@ def _unflatten_bmm(_context):
     return [unflatten_batched_matmuls()]
 
 
+def _flash_attention(context):
+    from tvmbert.passes.flash_attention import flash_attention
+
+    return [flash_attention(context.target.tvm_target(), context.dtype)]
+
+
 def _mixed_precision(context):
     from tvmbert.passes.mixed_precision import reduced_precision_matmuls
 
@@ -135,6 +141,11 @@ PASSES = (
     # Attention's two matmuls on 4-D tensors, where the exporter flattened them to 3-D between
     # reshapes: the scale and the mask then fuse into the Q K^T kernel.
     GraphPass("unflatten-bmm", _unflatten_bmm),
+    # Added for GPU targets: each layer's attention (Q K^T, scale, mask, softmax, P V and the head
+    # transposes around them) becomes one call of a flash-attention kernel (kernels/flash_attention.py),
+    # before mixed-precision: the kernel reads the fp32 projections and casts as it loads.
+    GraphPass("flash-attention", _flash_attention, added_for=lambda c: c.target is not None and c.target.is_gpu,
+              per_target=True),
     # Added for --dtype float16/bfloat16: matmuls in reduced precision accumulating in fp32;
     # bind-params then stores those weights in it (half the bytes to stream per inference).
     GraphPass("mixed-precision", _mixed_precision, added_for=lambda c: c.dtype in MIXED_PRECISION),

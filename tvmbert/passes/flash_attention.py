@@ -1,0 +1,84 @@
+"""The ``flash-attention`` pass (GPU targets): each layer's attention (Q K^T, scale, mask, softmax,
+P V and the head transposes around them) found in the fp32 graph and replaced by one call of the
+flash-attention kernel (``kernels/flash_attention.py``), reading Q, K and V where the projection
+wrote them and writing its result where the output projection reads it. It runs before
+mixed-precision, which leaves the call alone: the kernel casts Q, K and V as it loads them."""
+
+from __future__ import annotations
+
+from tvmbert.kernels.flash_attention import kernel
+from tvmbert.passes.attention_graph import Attention, find
+
+
+def fits(seq: int, dim: int, target) -> bool:
+    """Where TVM's prefill tiling takes the head size (its thread factorization)."""
+    from tvm.relax.frontend.nn.llm._kernel_common import _get_prefill_kernel_config
+
+    try:
+        _get_prefill_kernel_config(1, 1, dim, "float16", target)
+        _get_prefill_kernel_config(1, 1, dim, "float32", target)
+    except ValueError:
+        return False
+    return seq > 0 and dim % 4 == 0
+
+
+def flash_attention(target, dtype: str):
+    """The module pass for a TVM GPU ``target``: Q, K and V in shared memory as float16 for
+    ``--dtype float16``, else float32. A packed build's attentions (their rows gathered) keep the graph."""
+    from tvm import relax
+
+    from tvmbert.ir.dataflow import dataflow
+    from tvmbert.passes.rewriters import function_pass
+
+    kernel_dtype = "float16" if dtype == "float16" else "float32"
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def __init__(self, module):
+            super().__init__(module)
+            self.kernels = {}
+            self.found, self.outputs, self.results = {}, {}, {}
+
+        def start(self, function):
+            found, outputs = find(dataflow(function), lambda seq, dim: fits(seq, dim, target))
+            self.found = {var: attention for var, attention in found.items() if attention.rows is None}
+            self.outputs = {var: product for var, product in outputs.items() if product in self.found}
+            self.results = {}
+
+        def kernel_for(self, found: Attention):
+            batch, heads, seq, dim = found.shape
+            columns = tuple((c, o) for _, c, o in found.sources)
+            mask_shape = tuple(int(d) for d in found.mask.ty.shape) if found.mask is not None else None
+            key = (found.shape, columns, mask_shape, found.scale)
+            if key not in self.kernels:
+                function = kernel(batch, heads, seq, dim, columns, mask_shape, found.scale if found.scale is not None else 1.0,
+                                  kernel_dtype, target)
+                name = f"flash_attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "")
+                self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
+            return self.kernels[key]
+
+        def visit_var_binding_(self, binding):
+            if binding.var in self.found:
+                found = self.found[binding.var]
+                batch, heads, seq, dim = found.shape
+                operands = []
+                for source, columns, _ in found.sources:
+                    source = self.visit_expr(source)
+                    if [int(d) for d in source.ty.shape] != [batch * seq, columns]:
+                        source = self.builder_.emit(relax.op.reshape(source, (batch * seq, columns)))
+                    operands.append(source)
+                mask = self.visit_expr(found.mask) if found.mask is not None else relax.const(0.0, "float32")
+                if found.mask is None:
+                    mask = self.builder_.emit(relax.op.reshape(mask, (1, 1, 1, 1)))
+                outputs = self.builder_.emit(relax.call_tir(
+                    self.kernel_for(found), [*operands, mask],
+                    [relax.TensorType((batch, seq, heads, dim), "float32"), relax.TensorType((batch, seq, heads), "float32")]))
+                result = self.builder_.emit(relax.TupleGetItem(outputs, 0))
+                self.results[binding.var] = result
+                self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))
+            elif binding.var in self.outputs:
+                self.set_var_remap(binding.var, self.results[self.outputs[binding.var]])
+            else:
+                super().visit_var_binding_(binding)
+
+    return function_pass("FlashAttention", Rewriter)
