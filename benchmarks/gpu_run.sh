@@ -19,6 +19,8 @@
 #   builds.txt                  every build the steps below run (bert-base on cuda, fp16: 1 x 14, 1 x 128,
 #                               8 x 128, and 1 x 128 without its CUDA graph), in one process
 #   verify-fp16.json            tvmbert verify MODEL --target cuda --dtype float16
+#   verify-fp16-b8.json         the same at 8 x 128 with 32 sentences: flash attention over several tiles
+#                               of keys, padded sequences and a batch (1 x 14 is one tile, no padding)
 #   graph-check.txt             the CUDA-graph build's answers (its capture, then replays) against the graph-less build's
 #   bench-fp16-b1.json          tvm against torch-eager, -sdpa and -cudagraph on the GPU, synchronized: 1 x 14, 1 x 128
 #   bench-fp16-b8.json          the same at 8 x 128
@@ -27,7 +29,7 @@
 #   records.json, tuning_logs/  the records compacted (tvmbert compact), to commit under tuning_logs/
 #   rebuild.json, bench-tuned.json  the 1 x 128 build with them (tasks tuned), timed against the peers again
 # Limits (BUILDS_S ... set them) from the first H200 run (../shared/gpu/README.md: four builds 111 s,
-# verify 18-25 s, bench 60-75 s a call with three peers) with a margin: call 2's add up to 450 s,
+# verify 18-25 s, bench 60-75 s a call with three peers) with a margin: call 2's add up to 485 s,
 # call 3's to 310 s; the machine's start (~45 s), call 1 and the install (~30 s) fit in 15 minutes.
 # On request: verify-fp32, bench-fp32 (fp32 at 1 x 14 and 1 x 128), tests (the tests marked cuda).
 #
@@ -153,7 +155,7 @@ run_steps() {
     log="$OUT/log.txt"
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "no nvidia-smi"
       "$PY" -c "import tvm; print('cuda device:', tvm.cuda(0).exist)"; lscpu | grep -E "Model name|^CPU\(s\)"; } > "$log"
-    steps=" ${STEPS:-builds verify-fp16 graph-check bench-fp16-b1 bench-fp16-b8 profile} "
+    steps=" ${STEPS:-builds verify-fp16 verify-fp16-b8 graph-check bench-fp16-b1 bench-fp16-b8 profile} "
     source benchmarks/steps.sh
     # Every build the asked steps run, first and in one process: TVM parses its CUDA tensor intrinsics
     # once, and a dry run cross-compiles each shape. The steps after reuse them.
@@ -162,7 +164,7 @@ run_steps() {
     run verify-fp16 || run bench-fp16-b1 && wanted+=(float16:1x14)
     run bench-fp16-b1 || run graph-check || run profile && wanted+=(float16:1x128)
     run graph-check || run profile && wanted+=(float16:1x128:nograph)
-    run bench-fp16-b8 && wanted+=(float16:8x128)
+    run bench-fp16-b8 || run verify-fp16-b8 && wanted+=(float16:8x128)
     run bench-fp32 && wanted+=(float32:1x128)
     run builds && step builds.txt "${BUILDS_S:-150}" "$PY" -c "$BUILDS" "${wanted[@]}"
     local verify=("$PY" -m tvmbert verify "$MODEL" --target cuda --workdir "$WORK" --json)
@@ -171,6 +173,8 @@ run_steps() {
                  --min-time 1 --json)
     local logs=("--log-dir" "$WORK/logs")
     run verify-fp16 && step verify-fp16.json "${VERIFY_S:-30}" "${verify[@]}" --dtype float16
+    run verify-fp16-b8 && step verify-fp16-b8.json "${VERIFY_B8_S:-35}" "${verify[@]}" --dtype float16 --batch 8 \
+        --seq-len 128 --texts 32
     run graph-check && step graph-check.txt "${CHECK_S:-30}" "$PY" -c "$GRAPH_CHECK"
     run bench-fp16-b1 && step bench-fp16-b1.json "${BENCH_S:-100}" "${bench[@]}" --dtype float16 --batch 1 --seq-len 14,128
     run bench-fp16-b8 && step bench-fp16-b8.json "${BENCH_B8_S:-70}" "${bench[@]}" --dtype float16 --batch 8 --seq-len 128

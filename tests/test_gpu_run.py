@@ -5,6 +5,7 @@ timed against PyTorch on the same GPU, and what the GPU itself must show is mark
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,9 +22,9 @@ from helpers import CUDA_PRESENT, REPO, assert_one_line_error
 
 SCRIPTS = ("benchmarks/gpu_run.sh", "benchmarks/lent_machine.sh", "benchmarks/steps.sh")
 GPU_PEERS = ("torch-eager", "torch-sdpa", "torch-cudagraph", "torch-compile")
-DEVICE_STEPS = ("verify-fp16.json", "graph-check.txt", "bench-fp16-b1.json", "bench-fp16-b8.json", "profile.txt", "tune.json",
+DEVICE_STEPS = ("verify-fp16.json", "verify-fp16-b8.json", "graph-check.txt", "bench-fp16-b1.json", "bench-fp16-b8.json", "profile.txt", "tune.json",
                 "bench-tuned.json")
-LIMITS = ("BUILDS_S", "VERIFY_S", "CHECK_S", "BENCH_S", "BENCH_B8_S", "PROFILE_S", "TUNE_S", "RECORDS_S", "REBUILD_S",
+LIMITS = ("BUILDS_S", "VERIFY_S", "VERIFY_B8_S", "CHECK_S", "BENCH_S", "BENCH_B8_S", "PROFILE_S", "TUNE_S", "RECORDS_S", "REBUILD_S",
           "BENCH_TUNED_S", "TESTS_S")
 
 
@@ -59,12 +60,12 @@ def test_every_gpu_step_starts_here_and_says_there_is_no_cuda_device(tmp_path):
     """Each step of the three calls: the builds compile every shape the device steps run, each
     device step stops at the device in one line, the rebuild with the tuning logs compiles. A step
     that would not start on the GPU fails here first."""
-    log = dry_run(tmp_path, "builds verify-fp16 graph-check bench-fp16-b1 bench-fp16-b8 profile tune records rebuild "
+    log = dry_run(tmp_path, "builds verify-fp16 verify-fp16-b8 graph-check bench-fp16-b1 bench-fp16-b8 profile tune records rebuild "
                             "bench-tuned tests")
     assert "== builds.txt: exit 0 after" in log and "== rebuild.json: exit 0 after" in log, log
     for name in DEVICE_STEPS:
         assert f"== {name}: exit 2 after" in log, log
-    assert log.count("error: verify runs the model: this machine has no cuda device") == 1, log
+    assert log.count("error: verify runs the model: this machine has no cuda device") == 2, log
     assert log.count("error: bench runs the model: this machine has no cuda device") == 3, log
     assert "the graph check runs the model: this machine has no cuda device" in log, log
     assert "the profile runs the model: this machine has no cuda device" in log and "--rpc-tracker" in log, log
@@ -257,6 +258,12 @@ def test_build_reports_kernels_per_layer_and_tensor_core_ones_and_cuda_graphs_tu
     kernels = built.json["gpu_kernels"]
     assert built.json["cuda_graph"] is False
     assert kernels["per_layer"] == kernels["launched_per_forward"] / 2  # bert-tiny: 2 layers
+    # A layer's attention is one flash-attention kernel, bias + GELU and bias + residual run in the
+    # matmuls' epilogues (flat-epilogues): 9 kernels a layer, 12 for the embeddings and pooler (54 in all before).
+    assert built.json["flash_attention_kernels"] == ["flash_attention_1x2x128x64_masked"]
+    assert kernels["launched_per_forward"] <= 30, kernels
+    assert any("matmul" in name and "gelu" in name for name in kernels["tensor_core"]), kernels
+    assert sum(bool(re.search(r"matmul.*_add\d*_add_kernel", name)) for name in kernels["tensor_core"]) == 2, kernels
     assert any("matmul" in name for name in kernels["tensor_core"]), kernels
     assert not any("softmax" in name or "layer_norm" in name for name in kernels["tensor_core"]), kernels
 

@@ -113,6 +113,7 @@ def test_gpu_cross_compile_carries_device_code(tvmbert, target, kind):
     assert outcome.code == 0, outcome.stderr
     modules = outcome.json["device_modules"]
     assert [m["kind"] for m in modules] == [kind]
+    assert outcome.json["flash_attention_kernels"] == ["flash_attention_1x2x14x64_masked"]  # each layer's attention: one kernel
     assert outcome.json["cuda_graph"] == (kind == "cuda")  # a static CUDA build replays its forward in a CUDA graph
     if kind == "cuda":
         assert outcome.json["gpu_kernels"]["launched_per_forward"] >= outcome.json["gpu_kernels"]["device_kernels"] > 10

@@ -11,7 +11,8 @@ loads, macros and schedule (``_kernel_common``: block names and tiles as TVM's
 ``batch_sequence_prefill_kv`` has them), with the mask added to each tile of scores as it is
 stored, and Q, K and V read where the graph holds them: columns of the [batch x seq, columns]
 outputs of the projections (the fused Q/K/V projection's included), cast to the kernel's dtype as
-they are loaded. The result is [batch, seq, heads, dim], as the output projection reads it.
+they are loaded. The result is [batch, seq, heads, dim], as the output projection reads it (in fp16 for fp16
+builds: the projection's input).
 
 Masked scores are floored at ``SCORE_FLOOR``: a row whose every key is masked (an all-zero
 attention mask) then averages V, as PyTorch's softmax does (its mask's -3.4e38 absorbs the scores).
@@ -29,8 +30,8 @@ SCORE_FLOOR = -4e4
 
 
 def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shape: tuple | None, scale: float,
-           dtype: str, target):
-    """The PrimFunc ``(q, k, v, mask) -> (out [batch, seq, heads, dim] fp32, lse)``: q, k and v are
+           dtype: str, target, out_dtype: str = "float32"):
+    """The PrimFunc ``(q, k, v, mask) -> (out [batch, seq, heads, dim] of out_dtype, lse)``: q, k and v are
     [batch x seq, c] fp32 with head h's values at columns offset + h x dim (``columns``: (c, offset)
     of each), ``mask`` the additive fp32 mask broadcast to [batch, heads, seq, seq] (shape
     ``mask_shape``; None: a [1] zero). ``dtype``: Q, K and V in shared memory (float16 or float32);
@@ -71,7 +72,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
     @T.prim_func(s_tir=True)
     def flash_attention(q: T.Buffer((batch * seq, q_columns), "float32"), k: T.Buffer((batch * seq, k_columns), "float32"),
                         v: T.Buffer((batch * seq, v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
-                        output: T.Buffer((batch, seq, heads, dim), "float32"), lse: T.Buffer((batch, seq, heads), "float32")):
+                        output: T.Buffer((batch, seq, heads, dim), out_dtype), lse: T.Buffer((batch, seq, heads), "float32")):
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: True, "op_pattern": 8})
         for lbx in T.thread_binding(batch * tiles, thread="blockIdx.x"):
             for lby in T.thread_binding(heads, thread="blockIdx.y"):
@@ -132,7 +133,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
                                 with T.sblock("O_store"):
                                     i, j = T.axis.remap("SS", [li, lj])
                                     if LH_start + i < seq:
-                                        output[b_idx, LH_start + i, by, j] = O_local[i, j] / d_smem[i]
+                                        output[b_idx, LH_start + i, by, j] = T.cast(O_local[i, j] / d_smem[i], out_dtype)
                             for li in T.grid(tile_x):
                                 with T.sblock("lse_store"):
                                     i = T.axis.remap("S", [li])

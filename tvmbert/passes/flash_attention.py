@@ -2,7 +2,8 @@
 P V and the head transposes around them) found in the fp32 graph and replaced by one call of the
 flash-attention kernel (``kernels/flash_attention.py``), reading Q, K and V where the projection
 wrote them and writing its result where the output projection reads it. It runs before
-mixed-precision, which leaves the call alone: the kernel casts Q, K and V as it loads them."""
+mixed-precision, which leaves the call alone: the kernel casts Q, K and V as it loads them, and
+writes fp16 for fp16 builds (the output projection's input)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def flash_attention(target, dtype: str):
             key = (found.shape, columns, mask_shape, found.scale)
             if key not in self.kernels:
                 function = kernel(batch, heads, seq, dim, columns, mask_shape, found.scale if found.scale is not None else 1.0,
-                                  kernel_dtype, target)
+                                  kernel_dtype, target, kernel_dtype)
                 name = f"flash_attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
@@ -72,8 +73,10 @@ def flash_attention(target, dtype: str):
                     mask = self.builder_.emit(relax.op.reshape(mask, (1, 1, 1, 1)))
                 outputs = self.builder_.emit(relax.call_tir(
                     self.kernel_for(found), [*operands, mask],
-                    [relax.TensorType((batch, seq, heads, dim), "float32"), relax.TensorType((batch, seq, heads), "float32")]))
+                    [relax.TensorType((batch, seq, heads, dim), kernel_dtype), relax.TensorType((batch, seq, heads), "float32")]))
                 result = self.builder_.emit(relax.TupleGetItem(outputs, 0))
+                if kernel_dtype != "float32":  # flat-epilogues drops this cast and mixed-precision's back
+                    result = self.builder_.emit(relax.op.astype(result, "float32"))
                 self.results[binding.var] = result
                 self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))
             elif binding.var in self.outputs:

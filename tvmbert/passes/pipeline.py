@@ -80,6 +80,12 @@ def _flash_attention(context):
     return [flash_attention(context.target.tvm_target(), context.dtype)]
 
 
+def _flat_epilogues(_context):
+    from tvmbert.passes.flat_epilogues import flat_epilogues
+
+    return [flat_epilogues()]
+
+
 def _mixed_precision(context):
     from tvmbert.passes.mixed_precision import reduced_precision_matmuls
 
@@ -149,6 +155,10 @@ PASSES = (
     # Added for --dtype float16/bfloat16: matmuls in reduced precision accumulating in fp32;
     # bind-params then stores those weights in it (half the bytes to stream per inference).
     GraphPass("mixed-precision", _mixed_precision, added_for=lambda c: c.dtype in MIXED_PRECISION),
+    # Added for GPU targets: bias + GELU, bias + residual and the casts after layer norms run on
+    # the matmuls' [rows, columns] results, not on 3-D views of them, so FuseOps folds them into
+    # the matmuls' and layer norms' kernels; fp16 -> fp32 -> fp16 round trips go.
+    GraphPass("flat-epilogues", _flat_epilogues, added_for=lambda c: c.target is not None and c.target.is_gpu),
     # Added for --dtype bfloat16 on CPUs with AMX-BF16: weight matmuls call our AMX kernel
     # (kernels/amx.py), their weights laid out in its tiles by bind-params.
     GraphPass("amx-bf16", _amx_bf16, added_for=lambda c: c.amx),
