@@ -210,6 +210,16 @@ def test_position_tables_hold_transformers_numbers(name):
     assert got.shape == want.shape and torch.equal(got, want)
 
 
+def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path):
+    built = tvmbert("build", "modernbert-tiny", "--batch", "2", "--log-dir", str(tmp_path), "--json")
+    assert built.code == 0, built.stderr
+    assert set(built.json["kernels_not_applied"]) == {"fma", "attention"}  # int8's is no fp32 build's
+    assert built.json["layer_norm_kernels"]  # ModernBERT's bias-free layer norms take ours
+    assert "do not apply to modernbert" in built.stderr and "rotary" in built.stderr
+    assert_one_line_error(tvmbert("build", "modernbert-tiny", "--batch", "2", "--tokens", "20"),
+                          "packed builds of modernbert models are not supported yet")
+
+
 def test_every_familys_inputs_are_a_prefix_of_berts():
     """The traced signature (input_ids, attention_mask, token_type_ids=None) names every family's inputs."""
     from tvmbert.core.families import BERT_INPUTS

@@ -16,7 +16,7 @@ from tvmbert.kernels import KERNELS
 from tvmbert.passes.kernel_calls import kernels_in
 from tvmbert.stages.cached import CachedStage
 from tvmbert.stages.job import Job
-from tvmbert.stages.optimize import optimize
+from tvmbert.stages.optimize import optimize, pipeline
 from tvmbert.tuning import database
 from tvmbert.tuning.compile import CUDA_GRAPH_BUILTIN, WEIGHT_LAYOUT_ENTRY, compile_tuned
 
@@ -65,9 +65,10 @@ def build(job: Job, force: bool = False) -> Artifact:
             meta[f"{kernel.name}_kernels"] = found
             if kernel.instructions_in is not None:  # the proof that the library holds its instructions
                 meta[f"{kernel.name}_instructions"] = kernel.instructions_in(compiled.executable)
-    if any(f"{kernel.name}_kernels" in meta for kernel in KERNELS):  # ours run in this build: say which cannot
-        meta["kernels_not_applied"] = {name: why for name, why in FAMILIES[job.source.family].kernels_not_applied.items()
-                                       if f"{name}_kernels" not in meta}
+    # Of our kernels this build's passes call, those the family's graph cannot take, and why.
+    in_pipeline = {kernel.name for kernel in KERNELS if kernel.graph_pass in pipeline(job)}
+    meta["kernels_not_applied"] = {name: why for name, why in FAMILIES[job.source.family].kernels_not_applied.items()
+                                   if name in in_pipeline and f"{name}_kernels" not in meta}
     with stage.writing(meta) as tmp:
         compiled.executable.export_library(str(tmp / LIBRARY_FILE))
         meta["weight_bytes"] = save_params(tmp / PARAMS_FILE, params, job.weights_pool)  # stage.json is written after this block
