@@ -4,6 +4,7 @@ timed against PyTorch on the same GPU, and what the GPU itself must show is mark
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -73,6 +74,10 @@ def test_every_gpu_step_starts_here_and_says_there_is_no_cuda_device(tmp_path):
         libraries = list((tmp_path / "work").glob(f"bert-tiny/{build}/cuda-*/build/model.so"))
         assert libraries and all(compiled_kernels(library) for library in libraries), build
     assert len(list((tmp_path / "work").glob("bert-tiny/b1-s128-float16/cuda-*/build/model.so"))) == 2  # with and without its graph
+    # At 14 rows too, every fp16 weight matmul but the pooler's single row runs on tensor cores
+    # (default_schedules._tensor_core_matmul: dlight's own rule leaves sizes of 64 or less to CUDA cores).
+    small = json.loads(next((tmp_path / "work").glob("bert-tiny/b1-s14-float16/cuda-*/build/stage.json")).read_text())
+    assert sum("matmul" in name for name in small["gpu_kernels"]["tensor_core"]) == 4, small["gpu_kernels"]
     assert "== tests.txt: exit 0 after" in log and "no CUDA device on this machine" in (tmp_path / "out" / "tests.txt").read_text()
 
 
