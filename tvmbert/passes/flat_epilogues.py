@@ -8,7 +8,13 @@ kernels of their own, and so were the casts to fp16 after each layer norm. Here 
 (a reshape that keeps the last axis) is carried down through elementwise ops and layer norms over
 the last axis, which then run on the flat rows, and a flatten of it is the flat value itself:
 the remaining reshapes are views, no kernel. And a cast of an fp16 value to fp32 cast back to
-fp16 (the flash-attention kernel's result before the output projection) is the value itself."""
+fp16 (the flash-attention kernel's result before the output projection) is the value itself.
+
+A layer norm that a matmul reads in fp16 is rounded to fp16 for its every reader, the next
+residual add too (as PyTorch's fp16 model holds it): its kernel then writes fp16 alone, where an
+fp32 result read twice kept the cast to fp16 a kernel of its own. That leaves 7 kernels a BERT
+layer: the Q/K/V matmul, flash attention, the output projection with its bias and residual, layer
+norm, the FFN's two matmuls (bias + GELU, bias + residual), layer norm."""
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ def flat_epilogues():
 
         def start(self, function):
             self.flat = {}
+            self.narrowed = narrowed_layer_norms(function)
 
         def flat_operand(self, arg, shape, rows: int):
             """``arg`` (already visited) as an operand of the op on the flat rows, or None."""
@@ -79,11 +86,22 @@ def flat_epilogues():
                 self.flat[var] = (value.args[0], static_shape(value))
             elif isinstance(value, relax.Call) and (computed := self.on_flat_rows(value)) is not None:
                 flat, shape = computed
-                var = self.builder_.emit(relax.op.reshape(self.builder_.emit(flat), shape))
+                flat = self.rounded(binding.var, self.builder_.emit(flat))
+                var = self.builder_.emit(relax.op.reshape(flat, shape))
                 self.set_var_remap(binding.var, var)
-                self.flat[var] = (self.lookup_binding(var).args[0], shape)
+                self.flat[var] = (flat, shape)
+            elif binding.var in self.narrowed:
+                self.set_var_remap(binding.var, self.rounded(binding.var, self.builder_.emit(value)))
             else:
                 super().visit_var_binding_(binding)
+
+        def rounded(self, original, var):
+            """``var``, rounded to the dtype a matmul reads it in where ``original`` is a layer norm
+            in ``narrowed``, so that its kernel writes that alone (the cast back fuses into its readers)."""
+            if original not in self.narrowed:
+                return var
+            narrow = self.builder_.emit(relax.op.astype(var, self.narrowed[original]))
+            return self.builder_.emit(relax.op.astype(narrow, "float32"))
 
         @staticmethod
         def is_view(reshape) -> bool:
@@ -106,5 +124,21 @@ def flat_epilogues():
             if narrow.ty.dtype != str(value.attrs.dtype) or narrow.ty.dtype not in ("float16", "bfloat16"):
                 return None
             return self.builder_.emit(relax.op.reshape(narrow, reshaped)) if reshaped else narrow
+
+    def narrowed_layer_norms(function) -> dict:
+        """The fp32 layer norms cast to fp16 or bf16 (through reshapes) for a matmul: var -> that dtype."""
+        from tvmbert.ir.dataflow import dataflow
+
+        bindings, values, _ = dataflow(function)
+        found = {}
+        for binding in bindings:
+            if op_of(binding.value) != "relax.astype" or str(binding.value.attrs.dtype) not in ("float16", "bfloat16"):
+                continue
+            source = binding.value.args[0]
+            while op_of(values.get(source)) == "relax.reshape":
+                source = values[source].args[0]
+            if op_of(values.get(source)) == "relax.nn.layer_norm" and source.ty.dtype == "float32":
+                found[source] = str(binding.value.attrs.dtype)
+        return found
 
     return function_pass("FlatEpilogues", Rewriter)
