@@ -220,6 +220,11 @@ def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path):
                           "packed builds of modernbert models are not supported yet")
 
 
+@pytest.mark.parametrize("model", ["modernbert-tiny", "deberta-v3-tiny"])
+def test_training_refuses_a_layer_that_needs_more_than_its_mask(tvmbert, tmp_path, model):
+    assert_one_line_error(tvmbert("verify", model, "--train", "--log-dir", str(tmp_path)), "--train", "not supported yet")
+
+
 def test_every_familys_inputs_are_a_prefix_of_berts():
     """The traced signature (input_ids, attention_mask, token_type_ids=None) names every family's inputs."""
     from tvmbert.core.families import BERT_INPUTS

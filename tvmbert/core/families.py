@@ -43,6 +43,9 @@ class Family:
     # Why packed builds refuse this family, where they do: its attention is not the one
     # packed_attention.py replaces per sequence.
     not_packable: str = ""
+    # Why ``verify --train`` and ``bench --train`` cannot compile its layer 0 alone, where they
+    # cannot: they call it with the hidden states and the additive mask only.
+    layer_not_alone: str = ""
     # What the model computes from positions alone, made a table at load (a
     # frontend/exact.POSITION_TABLES key; "" for none).
     position_tables: str = ""
@@ -75,6 +78,7 @@ FAMILIES: dict[str, Family] = {
     "modernbert": Family("ModernBertConfig", "ModernBert", inputs=("input_ids", "attention_mask"),
                          layers=lambda base: base.layers, position_tables="rotary", softmax_in_float32=True,
                          not_packable="its local layers' window is not in the packed attention",
+                         layer_not_alone="its layers take the rotary cos/sin and a per-layer-type mask as well",
                          kernels_not_applied={
                              "fma": "its linear layers have no bias; the kernel takes a matmul with its bias add",
                              "int8": "its linear layers have no bias: int8 builds run its matmuls in fp32",
@@ -83,6 +87,7 @@ FAMILIES: dict[str, Family] = {
     # scores from relative-position buckets. v3 configs have type_vocab_size 0: no segment ids.
     "deberta-v2": Family("DebertaV2Config", "DebertaV2", position_tables="relative-buckets",
                          not_packable="its disentangled attention is not the one packed builds replace",
+                         layer_not_alone="its layers take the relative positions and their embeddings as well",
                          kernels_not_applied={
                              "attention": "disentangled attention: the c2p and p2c position scores join the content scores"}),
 }

@@ -441,6 +441,9 @@ def job_layer(job):
 
     if job.config.dtype not in ("float32", "float64"):
         raise InputError(f"training runs in float32 or float64, not {job.config.dtype}")
+    if why := FAMILIES[job.source.family].layer_not_alone:
+        raise InputError(f"--train compiles an encoder layer alone from its hidden states and mask; {job.source.family}'s "
+                         f"cannot be ({why}): not supported yet")
     wrapped = models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     layer = FAMILIES[job.source.family].layers(wrapped.model.base_model)[0]
     seen = []
