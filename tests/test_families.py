@@ -225,6 +225,14 @@ def test_training_refuses_a_layer_that_needs_more_than_its_mask(tvmbert, tmp_pat
     assert_one_line_error(tvmbert("verify", model, "--train", "--log-dir", str(tmp_path)), "--train", "not supported yet")
 
 
+def test_modernberts_matmul_weights_count_its_fused_qkv_and_geglu():
+    """bench's floor reads them: every Linear of its layers (its shapes are not BERT's)."""
+    source = models.resolve("modernbert-tiny")
+    layers = FAMILIES["modernbert"].layers(models.load(source).model.base_model)
+    linear = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    assert models.sizes(source).matmul_weights == linear
+
+
 def test_every_familys_inputs_are_a_prefix_of_berts():
     """The traced signature (input_ids, attention_mask, token_type_ids=None) names every family's inputs."""
     from tvmbert.core.families import BERT_INPUTS

@@ -220,6 +220,9 @@ def sizes(source: ModelSource) -> ModelSizes:
     intermediate = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", None) or 4 * config.hidden_size
     layers = getattr(config, "num_hidden_layers", None) or config.n_layers  # DistilBERT's config names it n_layers
     matmul_shapes = {(config.hidden_size, config.hidden_size), (intermediate, config.hidden_size), (config.hidden_size, intermediate)}
+    # And those of the first layer's own (ModernBERT's fused QKV, 3 H x H, and GeGLU's 2 I x H).
+    first_layer = FAMILIES[source.family].layers(model.base_model)[0]
+    matmul_shapes |= {tuple(m.weight.shape) for m in first_layer.modules() if isinstance(m, torch.nn.Linear)}
     matmul_weights = {id(m.weight): m.weight.numel() for m in model.modules()
                       if isinstance(m, torch.nn.Linear) and tuple(m.weight.shape) in matmul_shapes}
     return ModelSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, intermediate, config.num_attention_heads,
