@@ -29,6 +29,18 @@ LOG2E = math.log2(math.e)  # the kernel's softmax runs in base 2 (exp2)
 SCORE_FLOOR = -4e4
 
 
+def fits(dim: int, dtype: str, target) -> bool:
+    """Whether TVM's prefill tiling takes this head size (its thread factorization, and loads of
+    8 bytes: 4 fp16 values) for ``dtype`` on ``target``; any sequence length fits."""
+    from tvm.relax.frontend.nn.llm._kernel_common import _get_prefill_kernel_config
+
+    try:
+        _get_prefill_kernel_config(1, 1, dim, dtype, target)
+    except ValueError:
+        return False
+    return dim % 4 == 0
+
+
 def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shape: tuple | None, scale: float,
            dtype: str, target, out_dtype: str = "float32"):
     """The PrimFunc ``(q, k, v, mask) -> (out [batch, seq, heads, dim] of out_dtype, lse)``: q, k and v are

@@ -7,20 +7,8 @@ writes fp16 for fp16 builds (the output projection's input)."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.flash_attention import kernel
+from tvmbert.kernels.flash_attention import fits, kernel
 from tvmbert.passes.attention_graph import Attention, find
-
-
-def fits(seq: int, dim: int, target) -> bool:
-    """Where TVM's prefill tiling takes the head size (its thread factorization)."""
-    from tvm.relax.frontend.nn.llm._kernel_common import _get_prefill_kernel_config
-
-    try:
-        _get_prefill_kernel_config(1, 1, dim, "float16", target)
-        _get_prefill_kernel_config(1, 1, dim, "float32", target)
-    except ValueError:
-        return False
-    return seq > 0 and dim % 4 == 0
 
 
 def flash_attention(target, dtype: str):
@@ -41,7 +29,7 @@ def flash_attention(target, dtype: str):
             self.found, self.outputs, self.results = {}, {}, {}
 
         def start(self, function):
-            found, outputs = find(dataflow(function), lambda seq, dim: fits(seq, dim, target))
+            found, outputs = find(dataflow(function), lambda _seq, dim: fits(dim, kernel_dtype, target))
             self.found = {var: attention for var, attention in found.items() if attention.rows is None}
             self.outputs = {var: product for var, product in outputs.items() if product in self.found}
             self.results = {}
