@@ -35,10 +35,10 @@ def fits(dim: int, dtype: str, target) -> bool:
     from tvm.relax.frontend.nn.llm._kernel_common import _get_prefill_kernel_config
 
     try:
-        _get_prefill_kernel_config(1, 1, dim, dtype, target)
+        tile_y = _get_prefill_kernel_config(1, 1, dim, dtype, target)[6]
     except ValueError:
         return False
-    return dim % 4 == 0
+    return dim % 4 == 0 and tile_y == dim  # Q and O tiles as wide as a head
 
 
 def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shape: tuple | None, scale: float,
@@ -57,8 +57,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
         tile_x, tile_y, tile_z, tile_y, bdx, num_warps, group_size)
     (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = columns
     mask_shape = tuple(mask_shape) if mask_shape else (1, 1, 1, 1)
-    mask_b, mask_h, mask_q, mask_k = (int(mask_shape[0]) > 1, int(mask_shape[1]) > 1, int(mask_shape[2]) > 1,
-                                      int(mask_shape[3]) > 1)
+    mask_b, mask_h, mask_q, mask_k = (int(int(size) > 1) for size in mask_shape)  # 0 where the mask broadcasts
     weight = scale * LOG2E
     tiles = -(-seq // tile_x)
 
