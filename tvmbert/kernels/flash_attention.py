@@ -10,8 +10,7 @@ and its mask need not be a prefix of ones). This kernel is that kernel with BERT
 loads, macros and schedule (``_kernel_common``: block names and tiles as TVM's
 ``batch_sequence_prefill_kv`` has them), with the mask added to each tile of scores as it is
 stored, and Q, K and V read where the graph holds them: columns of the [batch x seq, columns]
-outputs of the projections (the fused Q/K/V projection's included), cast to the kernel's dtype as
-they are loaded. The result is [batch, seq, heads, dim], as the output projection reads it (in fp16 for fp16
+outputs of the projections (the fused Q/K/V projection's included), in the kernel's dtype. The result is [batch, seq, heads, dim], as the output projection reads it (in fp16 for fp16
 builds: the projection's input).
 
 Masked scores are floored at ``SCORE_FLOOR``: a row whose every key is masked (an all-zero
@@ -44,7 +43,7 @@ def fits(dim: int, dtype: str, target) -> bool:
 def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shape: tuple | None, scale: float,
            dtype: str, target, out_dtype: str = "float32"):
     """The PrimFunc ``(q, k, v, mask) -> (out [batch, seq, heads, dim] of out_dtype, lse)``: q, k and v are
-    [batch x seq, c] fp32 with head h's values at columns offset + h x dim (``columns``: (c, offset)
+    [batch x seq, c] of ``dtype`` with head h's values at columns offset + h x dim (``columns``: (c, offset)
     of each), ``mask`` the additive fp32 mask broadcast to [batch, heads, seq, seq] (shape
     ``mask_shape``; None: a [1] zero). ``dtype``: Q, K and V in shared memory (float16 or float32);
     scores and sums are fp32. ``target``: a TVM GPU target (its tiles and thread limits)."""
@@ -81,8 +80,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
         T.tvm_storage_sync("shared")
 
     @T.prim_func(s_tir=True)
-    def flash_attention(q: T.Buffer((batch * seq, q_columns), "float32"), k: T.Buffer((batch * seq, k_columns), "float32"),
-                        v: T.Buffer((batch * seq, v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+    def flash_attention(q: T.Buffer((batch * seq, q_columns), dtype), k: T.Buffer((batch * seq, k_columns), dtype),
+                        v: T.Buffer((batch * seq, v_columns), dtype), mask: T.Buffer(mask_shape, "float32"),
                         output: T.Buffer((batch, seq, heads, dim), out_dtype), lse: T.Buffer((batch, seq, heads), "float32")):
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: True, "op_pattern": 8})
         for lbx in T.thread_binding(batch * tiles, thread="blockIdx.x"):
@@ -107,7 +106,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
                                     T.writes()
                                     row: T.let[T.int32] = LH_start + i
                                     if row < seq:
-                                        Q_smem[i, j] = T.cast(q[b_idx * seq + row, q_offset + by * dim + j], dtype)
+                                        Q_smem[i, j] = q[b_idx * seq + row, q_offset + by * dim + j]
                                     else:
                                         Q_smem[i, j] = T.cast(0, dtype)
                             T.tvm_storage_sync("shared")
@@ -120,7 +119,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
                                         T.writes()
                                         column: T.let[T.int32] = L_kv_start + i
                                         if column < seq:
-                                            K_smem[i, j] = T.cast(k[b_idx * seq + column, k_offset + by * dim + j], dtype)
+                                            K_smem[i, j] = k[b_idx * seq + column, k_offset + by * dim + j]
                                         else:
                                             K_smem[i, j] = T.cast(0, dtype)
                                 T.tvm_storage_sync("shared")
@@ -131,7 +130,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, columns: tuple, mask_shap
                                         T.writes()
                                         column: T.let[T.int32] = L_kv_start + i
                                         if column < seq:
-                                            V_smem[i, j] = T.cast(v[b_idx * seq + column, v_offset + by * dim + j], dtype)
+                                            V_smem[i, j] = v[b_idx * seq + column, v_offset + by * dim + j]
                                         else:
                                             V_smem[i, j] = T.cast(0, dtype)
                                 T.tvm_storage_sync("shared")

@@ -2,8 +2,8 @@
 P V and the head transposes around them) found in the fp32 graph and replaced by one call of the
 flash-attention kernel (``kernels/flash_attention.py``), reading Q, K and V where the projection
 wrote them and writing its result where the output projection reads it. It runs before
-mixed-precision, which leaves the call alone: the kernel casts Q, K and V as it loads them, and
-writes fp16 for fp16 builds (the output projection's input)."""
+mixed-precision, which leaves the call alone. In fp16 builds the kernel reads Q, K and V in fp16
+(the projection's kernel casts them as it stores them) and writes fp16 (the output projection's input)."""
 
 from __future__ import annotations
 
@@ -26,13 +26,13 @@ def flash_attention(target, dtype: str):
         def __init__(self, module):
             super().__init__(module)
             self.kernels = {}
-            self.found, self.outputs, self.results = {}, {}, {}
+            self.found, self.outputs, self.results, self.narrowed = {}, {}, {}, {}
 
         def start(self, function):
             found, outputs = find(dataflow(function), lambda _seq, dim: fits(dim, kernel_dtype, target))
             self.found = {var: attention for var, attention in found.items() if attention.rows is None}
             self.outputs = {var: product for var, product in outputs.items() if product in self.found}
-            self.results = {}
+            self.results, self.narrowed = {}, {}
 
         def kernel_for(self, found: Attention):
             batch, heads, seq, dim = found.shape
@@ -46,13 +46,21 @@ def flash_attention(target, dtype: str):
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
+        def in_kernel_dtype(self, source):
+            """``source`` cast to the kernel's dtype, once for the Q, K and V it holds."""
+            if kernel_dtype == "float32":
+                return source
+            if source not in self.narrowed:
+                self.narrowed[source] = self.builder_.emit(relax.op.astype(source, kernel_dtype))
+            return self.narrowed[source]
+
         def visit_var_binding_(self, binding):
             if binding.var in self.found:
                 found = self.found[binding.var]
                 batch, heads, seq, dim = found.shape
                 operands = []
                 for source, columns, _ in found.sources:
-                    source = self.visit_expr(source)
+                    source = self.in_kernel_dtype(self.visit_expr(source))
                     if [int(d) for d in source.ty.shape] != [batch * seq, columns]:
                         source = self.builder_.emit(relax.op.reshape(source, (batch * seq, columns)))
                     operands.append(source)
