@@ -406,6 +406,32 @@ def test_a_matmul_amx_tiles_do_not_fit_stays_on_vpdpbusd():
     assert {"int8_quantize_rows_14x64", "int8_quantize_rows_14x64_to_16_rows"} <= set(kernels)
 
 
+def test_a_matmul_of_weights_alone_is_left_to_the_build_time_transform():
+    """DeBERTa's relative-position embeddings through its key projection: weights alone, which
+    bind-params folds at build time. A kernel there was compiled into that build-time function,
+    where LLVM aborted on its AMX tile stores."""
+    from tvm import relax
+
+    from tvmbert.core.targets import resolve
+    from tvmbert.passes.int8_matmuls import int8_matmuls
+
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((16, 64), "float32"))
+    weights = [relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in
+               (("positions", (16, 64)), ("w", (64, 64)), ("b", (64,)))]
+    with builder.function("main", [x, *weights], attrs={"num_input": 1}):
+        with builder.dataflow():
+            tokens = builder.emit(relax.op.add(relax.op.matmul(x, weights[1]), weights[2]))
+            positions = builder.emit(relax.op.add(relax.op.matmul(weights[0], weights[1]), weights[2]))
+            output = builder.emit_output(relax.Tuple([tokens, positions]))
+        builder.emit_func_output(output)
+    spec = resolve("llvm -mcpu=sapphirerapids")
+    module = int8_matmuls(spec.int8_lanes, spec.int8_instruction, spec.has_amx_int8)(builder.get())
+    main = module["main"].script()
+    assert main.count("R.call_tir(int8_matmul_16x64x64") == 1  # the tokens' matmul
+    assert "R.matmul(positions, w" in main
+
+
 def test_the_int8_kernels_width_follows_the_pair_product_the_target_has():
     from tvmbert.core.targets import resolve
 
