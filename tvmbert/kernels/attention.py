@@ -350,7 +350,9 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     Per (sequence, head): Q and the probabilities as bf16 rows (row tiles, 32 values a row), K
     and V as AMX's pairs (``Wp[K/2, N, 2]``: K^T's through 16 x 16 blocks in registers, V's by
     interleaving pairs of rows), then 32 x 32 blocks of four accumulator tiles (tmm0-3), row
-    tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``."""
+    tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``. Scores, softmax and P V go
+    32 query rows at a time, as the fp32 kernel's blocks do: a whole head's scores and
+    probabilities (1.5 MiB at 512 tokens) beside K's and V's pairs outgrew a core's 2 MiB L2."""
     import tvm
     from tvm.script import tirx as T
 
@@ -404,9 +406,9 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     kb = T.alloc_buffer((dim // 2, seq), "uint32")  # K^T's pairs: kb[d / 2, j] = K[j, d], K[j, d + 1]
                     kl = T.alloc_buffer((dim // 2, seq), "uint32")  # and what rounding them left
                     vb = T.alloc_buffer((seq // 2, dim), "uint32")  # V's pairs: vb[j / 2, d] = V[j, d], V[j + 1, d]
-                    scores = T.alloc_buffer((seq, seq), "float32")
-                    pb = T.alloc_buffer((seq, seq), "uint16")  # the probabilities (not yet divided by their sum) in bf16
-                    totals = T.alloc_buffer((seq,), "float32")
+                    scores = T.alloc_buffer((TILE, seq), "float32")  # a block of query rows' scores
+                    pb = T.alloc_buffer((TILE, seq), "uint16")  # their probabilities (not yet divided by their sum) in bf16
+                    totals = T.alloc_buffer((TILE,), "float32")
                     out = T.alloc_buffer((TILE, TILE), "float32")
                     partial = T.alloc_buffer((lanes,), "float32")
                     rounded = T.alloc_buffer((lanes,), "uint32")  # a vector of probabilities in bf16 (high halves)
@@ -431,41 +433,42 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                                 for x in T.vectorized(lanes):
                                     kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
                                     kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
-                    for i0, j0 in T.grid(seq // TILE, seq // TILE):
-                        zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
-                        block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
-                        block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, dim // TILE)
-                        block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
-                        store_block(scores, i0 * TILE, j0 * TILE, seq * 4)
-                    # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
-                    for i in range(seq):
-                        for x in T.vectorized(lanes):
-                            partial[x] = T.float32(-3.4028234663852886e38)
-                        for c in range(seq // lanes):
-                            for x in T.vectorized(lanes):
-                                if masked:
-                                    scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by + grid.mask_at(
-                                        mask, bh // heads, bh % heads, i, c * lanes + x)
-                                else:
-                                    scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by
-                                partial[x] = T.max(partial[x], scores[i, c * lanes + x])
-                        row_max[0] = across_lanes(partial, T.max)
-                        for x in T.vectorized(lanes):
-                            partial[x] = T.float32(0)
-                        for c in range(seq // lanes):
-                            for x in T.vectorized(lanes):
-                                rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
-                                partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
-                                pb[i, c * lanes + x] = T.Cast("uint16", rounded[x] >> T.uint32(16))
-                        totals[i] = across_lanes(partial, lambda a, b: a + b)
-                    # y = P V / sum
-                    for i0, d0 in T.grid(seq // TILE, dim // TILE):
-                        zero_block()
-                        block_product(pb, i0 * TILE, seq * 2, vb, 0, d0 * TILE, dim * 4, seq // TILE)
-                        store_block(out, 0, 0, TILE * 4)
+                    for i0 in range(seq // TILE):  # a block of query rows at a time: its scores stay in L1 and L2
+                        for j0 in range(seq // TILE):
+                            zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
+                            block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
+                            block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, dim // TILE)
+                            block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
+                            store_block(scores, 0, j0 * TILE, seq * 4)
+                        # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
                         for i in range(TILE):
-                            for x in T.vectorized(TILE):
-                                y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = out[i, x] / totals[i0 * TILE + i]
+                            for x in T.vectorized(lanes):
+                                partial[x] = T.float32(-3.4028234663852886e38)
+                            for c in range(seq // lanes):
+                                for x in T.vectorized(lanes):
+                                    if masked:
+                                        scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by + grid.mask_at(
+                                            mask, bh // heads, bh % heads, i0 * TILE + i, c * lanes + x)
+                                    else:
+                                        scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by
+                                    partial[x] = T.max(partial[x], scores[i, c * lanes + x])
+                            row_max[0] = across_lanes(partial, T.max)
+                            for x in T.vectorized(lanes):
+                                partial[x] = T.float32(0)
+                            for c in range(seq // lanes):
+                                for x in T.vectorized(lanes):
+                                    rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
+                                    partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
+                                    pb[i, c * lanes + x] = T.Cast("uint16", rounded[x] >> T.uint32(16))
+                            totals[i] = across_lanes(partial, lambda a, b: a + b)
+                        # y = P V / sum
+                        for d0 in range(dim // TILE):
+                            zero_block()
+                            block_product(pb, 0, seq * 2, vb, 0, d0 * TILE, dim * 4, seq // TILE)
+                            store_block(out, 0, 0, TILE * 4)
+                            for i in range(TILE):
+                                for x in T.vectorized(TILE):
+                                    y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = out[i, x] / totals[i]
                     T.evaluate(tile_instruction("tilerelease"))
 
     assert isinstance(attention, tvm.tirx.PrimFunc)
