@@ -94,6 +94,19 @@ def test_openvino_and_a_wrong_engine_are_checked_and_timed_like_the_others_on_a_
     assert wide.json["floor"]["dtype"] == "float64" and "of_floor" in wide.json["engines"]["tvm"]
 
 
+def test_openvino_bf16_outputs_are_read_as_bf16_not_as_the_float16_its_data_hands():
+    import ml_dtypes
+    import openvino
+
+    values = np.array([1.0, -2.5, 3.140625, 1e-3], dtype=np.float32)
+    tensor = openvino.Tensor(openvino.Type.bf16, openvino.Shape([4]))
+    tensor.data.view(np.uint16)[:] = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert tensor.data.dtype == np.float16  # the same bits, which as float16 are other numbers
+    read = bench_engines._openvino_array(openvino, tensor)
+    assert read.dtype == np.float32
+    np.testing.assert_array_equal(read, values.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
 @pytest.mark.slow
 def test_bench_torch_compile(tvmbert):
     outcome = tvmbert("bench", "bert-tiny", "--engines", "torch-compile", *FAST, "--json")
