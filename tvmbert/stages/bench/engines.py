@@ -301,7 +301,7 @@ def openvino_int8_engine(job: Job, inputs, threads: int) -> Engine:
     from tvmbert.stages.verify import sample_inputs
 
     model = models.load(job.source, "float32", job.config.seed, attn_implementation="eager")
-    converted = openvino.convert_model(model, example_input=tuple(inputs))
+    converted = openvino.convert_model(model, example_input=tuple(inputs), share_weights=False)  # (openvino_engine)
     calibration = [[t.numpy() for t in sample] for sample in [tuple(inputs), *sample_inputs(job, CALIBRATION_SAMPLES)[1:]]]
     with _quiet():  # NNCF draws progress bars on stdout, where bench --json writes its report
         quantized = nncf.quantize(converted, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
@@ -328,7 +328,10 @@ def openvino_engine(job: Job, inputs, threads: int) -> Engine:
     if precision is None:
         raise RuntimeError(f"OpenVINO's CPU plugin computes in f32 or bf16, not {peer_dtype(job.config.dtype)}")
     model = models.load(job.source, peer_dtype(job.config.dtype), job.config.seed, attn_implementation="eager")
-    converted = openvino.convert_model(model, example_input=tuple(inputs))
+    # Weights copied: shared (convert_model's default), a bf16 compiled model reads the PyTorch
+    # model's tensors in place, and they are freed when this function returns (bert-base bf16
+    # beside torch-eager: a segfault in bench's rounds).
+    converted = openvino.convert_model(model, example_input=tuple(inputs), share_weights=False)
     compiled = openvino.Core().compile_model(converted, "CPU", {
         "INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads})
     request = compiled.create_infer_request()
