@@ -301,7 +301,7 @@ def openvino_int8_engine(job: Job, inputs, threads: int) -> Engine:
     from tvmbert.stages.verify import sample_inputs
 
     model = models.load(job.source, "float32", job.config.seed, attn_implementation="eager")
-    converted = openvino.convert_model(model, example_input=tuple(inputs), share_weights=False)  # (openvino_engine)
+    converted = openvino.convert_model(model, example_input=tuple(inputs), share_weights=False)  # copied, as openvino_engine says why
     calibration = [[t.numpy() for t in sample] for sample in [tuple(inputs), *sample_inputs(job, CALIBRATION_SAMPLES)[1:]]]
     with _quiet():  # NNCF draws progress bars on stdout, where bench --json writes its report
         quantized = nncf.quantize(converted, nncf.Dataset(calibration), model_type=nncf.ModelType.TRANSFORMER,
