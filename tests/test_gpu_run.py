@@ -110,6 +110,27 @@ def test_the_timed_call_waits_for_the_device():
     assert min(engine.timings_ms) >= 20, engine.timings_ms
 
 
+# A job of a GPU build, as the PyTorch peers read it.
+GPU_JOB = SimpleNamespace(config=SimpleNamespace(dtype="float16", seed=0), target=SimpleNamespace(is_gpu=True), source=None)
+
+
+class OnDevice:
+    """A model or a tensor that moves to any device (this machine has no GPU); its forward is
+    recorded in ``calls``."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def to(self, device):
+        return self
+
+    def __call__(self, *inputs):
+        import torch
+
+        self.calls.append("forward")
+        return (torch.zeros(1),)
+
+
 def test_a_pytorch_peer_on_a_gpu_synchronizes_after_each_call(monkeypatch):
     """The same for PyTorch's peers: their call on a GPU ends with torch.cuda.synchronize()."""
     import torch
@@ -117,21 +138,9 @@ def test_a_pytorch_peer_on_a_gpu_synchronizes_after_each_call(monkeypatch):
     from tvmbert.stages.bench import engines
 
     calls = []
-
-    class OnDevice:
-        """A model or a tensor that moves to any device (this machine has no GPU)."""
-
-        def to(self, device):
-            return self
-
-        def __call__(self, *inputs):
-            calls.append("forward")
-            return (torch.zeros(1),)
-
-    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice())
+    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice(calls))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
-    job = SimpleNamespace(config=SimpleNamespace(dtype="float16", seed=0), target=SimpleNamespace(is_gpu=True), source=None)
-    engine = engines.torch_eager(job, [OnDevice()], threads=1)
+    engine = engines.torch_eager(GPU_JOB, [OnDevice(calls)], threads=1)
     engine.run()
     assert calls == ["forward", "synchronize"]
 
@@ -160,14 +169,6 @@ def test_the_cuda_graph_peer_captures_once_and_each_call_replays_synchronized(mo
 
     calls = []
 
-    class OnDevice:
-        def to(self, device):
-            return self
-
-        def __call__(self, *inputs):
-            calls.append("forward")
-            return (torch.zeros(1),)
-
     class Graph:
         def replay(self):
             calls.append("replay")
@@ -181,18 +182,17 @@ def test_the_cuda_graph_peer_captures_once_and_each_call_replays_synchronized(mo
         calls.append("capture")
         yield
 
-    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice())
+    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice(calls))
     for name, value in {"synchronize": lambda: calls.append("synchronize"), "CUDAGraph": Graph, "graph": capturing,
                         "Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext()}.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    job = SimpleNamespace(config=SimpleNamespace(dtype="float16", seed=0), target=SimpleNamespace(is_gpu=True), source=None)
-    engine = engines.torch_cudagraph(job, [OnDevice()], threads=1)
+    engine = engines.torch_cudagraph(GPU_JOB, [OnDevice(calls)], threads=1)
     assert calls == ["forward"] * engines.CAPTURE_WARMUP + ["capture", "forward"]
     calls.clear()
     engine.run()
     engine.run()
     assert calls == ["replay", "synchronize"] * 2
-    assert engines.TORCH_COMPILE_MODE[engines.torch_device(job)] == "max-autotune"
+    assert engines.TORCH_COMPILE_MODE[engines.torch_device(GPU_JOB)] == "max-autotune"
 
 
 def test_dispatch_refuses_inputs_on_another_device_than_its_target():
