@@ -13,13 +13,17 @@ from tvmbert.kernels import amx
 
 
 @pytest.mark.amx
-@pytest.mark.parametrize("lead, n, k, activation, residual, out_dtype", [
-    ((64,), 96, 64, None, False, "float32"),
-    ((2, 32), 64, 128, "relax.nn.gelu", False, "float32"),
-    ((2, 32), 64, 128, None, True, "float32"),
-    ((64,), 96, 64, "relax.nn.gelu", False, "bfloat16"),  # written in bf16 for the next matmul
+@pytest.mark.parametrize("lead, n, k, activation, residual, out_dtype, row_chunk_bytes", [
+    ((64,), 96, 64, None, False, "float32", 1 << 20),
+    ((2, 32), 64, 128, "relax.nn.gelu", False, "float32", 1 << 20),
+    ((2, 32), 64, 128, None, True, "float32", 1 << 20),
+    ((64,), 96, 64, "relax.nn.gelu", False, "bfloat16", 1 << 20),  # written in bf16 for the next matmul
+    # three chunks of one row block: each chunk's last epilogue after its tiles, not overlapped;
+    # 32 k steps: one row of the previous block's epilogue a step
+    ((96,), 64, 1024, None, True, "float32", 1),
+    ((3, 64), 96, 1024, "relax.nn.gelu", False, "bfloat16", 64 * 1024 * 2),  # two chunks of three blocks
 ])
-def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype):
+def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype, row_chunk_bytes):
     import ml_dtypes
     import tvm
 
@@ -30,7 +34,7 @@ def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype)
     b = rng.standard_normal(n, dtype=np.float32)
     packed = np.ascontiguousarray(w.reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1))
     r = rng.standard_normal((*lead, n) if residual else (1,), dtype=np.float32)
-    library = tvm.compile(tvm.IRModule({"main": amx.bf16_kernel(m, n, k, lead, activation, residual, out_dtype)}),
+    library = tvm.compile(tvm.IRModule({"main": amx.bf16_kernel(m, n, k, lead, activation, residual, out_dtype, row_chunk_bytes)}),
                           target=targets.resolve("llvm").tvm_target())
     y = tvm.runtime.tensor(np.zeros((*lead, n), ml_dtypes.bfloat16 if out_dtype == "bfloat16" else "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b, r)), y)

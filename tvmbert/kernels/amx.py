@@ -24,7 +24,7 @@ the columns' starts), the rows padded to 32 by the quantization kernel itself: s
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import assembly_of, whole
+from tvmbert.kernels.fma import CACHE_LINE, assembly_of, prefetch_to_l2, whole
 from tvmbert.kernels.int8 import AMX_INSTRUCTION as INT8_INSTRUCTION
 from tvmbert.kernels.int8 import KERNEL_ATTR as INT8_KERNEL_ATTR
 from tvmbert.kernels.int8 import dequantized
@@ -80,13 +80,18 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                 residual: bool = False, out_dtype: str = "float32", row_chunk_bytes: int = 1 << 20):
     """The AMX PrimFunc for ``Y[m, n] = act(X[m, k] @ W[k, n] + b[n]) (+ R[m, n])`` (m, n, k
     multiples of 32), W packed, ``act`` one of ``ACTIVATIONS`` or none: bias, activation and
-    residual applied to each 32 x 32 block as it is stored, while it is in L1 (without
-    ``residual``, R is one unread float), and Y written in ``out_dtype`` (bfloat16 where the next
-    matmul reads it: no cast kernel over it).
+    residual applied to each 32 x 32 block after its tiles are stored (without ``residual``, R is
+    one unread float), and Y written in ``out_dtype`` (bfloat16 where the next matmul reads it: no
+    cast kernel over it).
 
     With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead
-    of m: the kernels around it see no reshape. Parallel over column blocks of 32; each block runs over all row blocks, keeping a 32 x 32 fp32
-    result in four accumulator tiles (tmm0-3) while A (tmm4-5) and B (tmm6-7) tiles stream along K.
+    of m: the kernels around it see no reshape. Parallel over column blocks of 32; each block runs
+    over all row blocks, keeping a 32 x 32 fp32 result in four accumulator tiles (tmm0-3) while A
+    (tmm4-5) and B (tmm6-7) tiles stream along K. As the int8 kernel does, a block's epilogue runs a
+    few rows per k step of the next block, between its tile instructions, where the vector units
+    are otherwise idle; and each step prefetches a few lines of the next column block's weights
+    into L2, so that the next block's first row block does not wait on memory (at 128 rows a
+    column block's weights are read from memory by 1 of its 4 row blocks).
     """
     import tvm
     from tvm.script import tirx as T
@@ -98,9 +103,22 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     # Rows in chunks whose X (bf16) fits a core's L2 (SPR: 2 MiB): all column blocks of a chunk,
     # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
     chunk = _row_chunk(row_blocks, TILE * k * 2, row_chunk_bytes)
-
+    rows_per_step = -(-TILE // k_blocks)  # of the previous block's epilogue, per k step of the next
+    panel_lines = k  # a column block's weights: 32 columns x k bf16, k lines of 64 bytes
+    # Of the next panel's, per k step of a chunk; none where a chunk is one row block (bert-base 1 x 14):
+    # each block then reads its weights from memory anyway, at memory's rate.
+    lines_per_step = -(-panel_lines // (chunk * k_blocks)) if chunk > 1 else 0
     configure_tiles = tile_configuration()
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
+
+    @T.macro
+    def store_row(b, rf, yf, blocks, slot, nb, row, i):
+        """Row i of a stored block (the matrix's row + i): bias, activation or residual, cast."""
+        for j in T.vectorized(TILE):
+            if residual:
+                yf[row + i, nb * TILE + j] = T.Cast(out_dtype, blocks[slot, i, j] + b[nb * TILE + j] + rf[row + i, nb * TILE + j])
+            else:
+                yf[row + i, nb * TILE + j] = T.Cast(out_dtype, epilogue(blocks[slot, i, j] + b[nb * TILE + j]))
 
     @T.prim_func(s_tir=True)
     def amx_matmul(x: T.Buffer((*lead, k), "bfloat16"), wp: T.Buffer((n // 16, k // 2, 16, 2), "bfloat16"),
@@ -115,16 +133,15 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                 xu = T.decl_buffer((m, k), "uint16", data=x.data)
                 yf = T.decl_buffer((m, n), out_dtype, data=y.data)
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
+                w_lines = T.decl_buffer((n * k,), "uint16", data=wp.data)
                 for mc in range(row_blocks // chunk):
                     for nb in T.parallel(col_blocks):
                         configure_tiles()
-                        block = T.alloc_buffer((32, 32), "float32", scope="local")  # the 2 x 2 tiles, stored
+                        blocks = T.alloc_buffer((2, TILE, TILE), "float32", scope="local")  # a block's tiles, stored; the previous one's
                         for mi in range(chunk):
-                            row = (mc * chunk + mi) * 32
-                            T.evaluate(tile_instruction("tilezero", T.int8(0)))
-                            T.evaluate(tile_instruction("tilezero", T.int8(1)))
-                            T.evaluate(tile_instruction("tilezero", T.int8(2)))
-                            T.evaluate(tile_instruction("tilezero", T.int8(3)))
+                            row = (mc * chunk + mi) * TILE
+                            for tile in T.unroll(4):
+                                T.evaluate(tile_instruction("tilezero", T.int8(tile)))
                             for kb in range(k_blocks):
                                 T.evaluate(tile_instruction("tileloadd64", T.int8(4), T.address_of(xu[row, kb * 32]), T.int64(lda)))
                                 T.evaluate(tile_instruction("tileloadd64", T.int8(5), T.address_of(xu[row + 16, kb * 32]), T.int64(lda)))
@@ -134,16 +151,20 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                                 T.evaluate(tile_instruction("tdpbf16ps", T.int8(1), T.int8(4), T.int8(7)))
                                 T.evaluate(tile_instruction("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
                                 T.evaluate(tile_instruction("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
-                            T.evaluate(tile_instruction("tilestored64", T.int8(0), T.address_of(block[0, 0]), T.int64(128)))
-                            T.evaluate(tile_instruction("tilestored64", T.int8(1), T.address_of(block[0, 16]), T.int64(128)))
-                            T.evaluate(tile_instruction("tilestored64", T.int8(2), T.address_of(block[16, 0]), T.int64(128)))
-                            T.evaluate(tile_instruction("tilestored64", T.int8(3), T.address_of(block[16, 16]), T.int64(128)))
-                            for i in range(32):
-                                for j in T.vectorized(32):
-                                    if residual:
-                                        yf[row + i, nb * 32 + j] = T.Cast(out_dtype, block[i, j] + b[nb * 32 + j] + rf[row + i, nb * 32 + j])
-                                    else:
-                                        yf[row + i, nb * 32 + j] = T.Cast(out_dtype, epilogue(block[i, j] + b[nb * 32 + j]))
+                                if nb + 1 < col_blocks:
+                                    for line in range(lines_per_step):
+                                        if (mi * k_blocks + kb) * lines_per_step + line < panel_lines:
+                                            T.evaluate(prefetch_to_l2(T.address_of(
+                                                w_lines[(nb + 1) * TILE * k + ((mi * k_blocks + kb) * lines_per_step + line) * 32])))
+                                if mi > 0:
+                                    for i in range(rows_per_step):
+                                        if kb * rows_per_step + i < TILE:
+                                            store_row(b, rf, yf, blocks, (mi - 1) % 2, nb, row - TILE, kb * rows_per_step + i)
+                            for tile in T.unroll(4):
+                                T.evaluate(tile_instruction("tilestored64", T.int8(tile),
+                                                            T.address_of(blocks[mi % 2, (tile // 2) * 16, (tile % 2) * 16]), T.int64(TILE * 4)))
+                        for i in range(TILE):
+                            store_row(b, rf, yf, blocks, (chunk - 1) % 2, nb, (mc * chunk + chunk - 1) * TILE, i)
                         T.evaluate(tile_instruction("tilerelease"))
 
     assert isinstance(amx_matmul, tvm.tirx.PrimFunc)
@@ -190,6 +211,7 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     whole_blocks, half_block = rows // TILE, rows % TILE > 0
     panels, k_steps = n // TILE, k // INT8_K_STEP
     panel_stride = TILE * 4  # bytes from one k quad of a panel to the next
+    panel_lines = k * TILE // CACHE_LINE
     chunk = _row_chunk(whole_blocks, TILE * k, row_chunk_bytes)
     rows_per_step = -(-TILE // k_steps)  # of the previous block's epilogue, per k step of the next
     configure_tiles = tile_configuration()
@@ -207,10 +229,20 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                                                                      sw[p * TILE + j], b[p * TILE + j]))
 
     @T.macro
-    def row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, row, halves, stored):
+    def prefetch_next_panel(w_lines, p, step, lines_per_step):
+        """The next panel's lines into L2, a few per k step, so that its first block does not wait
+        on memory (at 128 rows a panel's weights are read from memory by 1 of its 4 row blocks).
+        Not where a panel has one block: that runs at memory's rate already (bert-base 1 x 14)."""
+        for line in range(lines_per_step):
+            if step * lines_per_step + line < panel_lines:
+                T.evaluate(prefetch_to_l2(T.address_of(w_lines[(p + 1) * k * TILE + (step * lines_per_step + line) * CACHE_LINE])))
+
+    @T.macro
+    def row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, row, halves, stored, block_index, blocks_per_panel):
         # halves: 2 for a whole block (accumulators tmm0-3, rows tmm4-5), 1 for its first 16 rows.
         # stored: the row of the block the buffer holds (-1: none), whose rows are dequantized a
         # few per k step, between this block's tile instructions (they overlap on the core).
+        # block_index of blocks_per_panel: which share of the next panel's lines it prefetches.
         for tile in T.unroll(2 * halves):
             T.evaluate(tile_instruction("tilezero", T.int8(tile)))
         for ks in range(k_steps):
@@ -221,6 +253,8 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
             for half in T.unroll(halves):
                 T.evaluate(tile_instruction("tdpbusd", T.int8(2 * half), T.int8(4 + half), T.int8(6)))
                 T.evaluate(tile_instruction("tdpbusd", T.int8(2 * half + 1), T.int8(4 + half), T.int8(7)))
+            if p + 1 < panels and blocks_per_panel > 1:
+                prefetch_next_panel(w_lines, p, block_index * k_steps + ks, -(-panel_lines // (blocks_per_panel * k_steps)))
             if stored >= 0:
                 for r in range(rows_per_step):
                     if ks * rows_per_step + r < TILE:
@@ -241,13 +275,14 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                 T.writes(whole(y))
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 yf = T.decl_buffer((m, n), "float32", data=y.data)
+                w_lines = T.decl_buffer((n * k,), "int8", data=wq.data)
                 for mc in range(whole_blocks // chunk):
                     for p in T.parallel(panels):
                         configure_tiles()
                         block = T.alloc_buffer((TILE, TILE), "int32", scope="local")  # the accumulator tiles, stored
                         for mi in range(chunk):
-                            row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, (mc * chunk + mi) * TILE, 2,
-                                      T.if_then_else(mi > 0, (mc * chunk + mi - 1) * TILE, -1))
+                            row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, (mc * chunk + mi) * TILE, 2,
+                                      T.if_then_else(mi > 0, (mc * chunk + mi - 1) * TILE, -1), mi, chunk)
                         for i in range(TILE):
                             store_row(c0, sw, sx, b, rf, yf, block, p, (mc * chunk + chunk - 1) * TILE, i)
                         T.evaluate(tile_instruction("tilerelease"))
@@ -255,7 +290,7 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                     for p in T.parallel(panels):
                         configure_tiles()
                         block = T.alloc_buffer((TILE, TILE), "int32", scope="local")
-                        row_block(x, wq, c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, 1, -1)
+                        row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, 1, -1, 0, 1)
                         for i in range(HALF_BLOCK):
                             store_row(c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, i)
                         T.evaluate(tile_instruction("tilerelease"))
