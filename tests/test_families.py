@@ -213,11 +213,26 @@ def test_position_tables_hold_transformers_numbers(name):
 def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path):
     built = tvmbert("build", "modernbert-tiny", "--batch", "2", "--log-dir", str(tmp_path), "--json")
     assert built.code == 0, built.stderr
-    assert set(built.json["kernels_not_applied"]) == {"fma", "attention"}  # int8's is no fp32 build's
+    assert set(built.json["kernels_not_applied"]) == {"attention"}
     assert built.json["layer_norm_kernels"]  # ModernBERT's bias-free layer norms take ours
+    # and its bias-free matmuls the FMA kernel: Wqkv, Wo with the residual, GeGLU's Wi, its Wo with the residual
+    assert {name.split("_")[-1] for name in built.json["fma_kernels"]} >= {"residual"}, built.json["fma_kernels"]
+    assert len(built.json["fma_kernels"]) >= 3, built.json["fma_kernels"]
     assert "do not apply to modernbert" in built.stderr and "rotary" in built.stderr
     assert_one_line_error(tvmbert("build", "modernbert-tiny", "--batch", "2", "--tokens", "20"),
                           "packed builds of modernbert models are not supported yet")
+
+
+def test_modernberts_bias_free_matmuls_run_in_int8(tvmbert, tmp_path):
+    """Its linear layers have no bias: the int8 kernels take bare matmuls too (a zero bias), or an
+    int8 build of it would quantize nothing."""
+    built = tvmbert("build", "modernbert-tiny", "--batch", "2", "--seq-len", "20", "--dtype", "int8",
+                    "--log-dir", str(tmp_path), "--json")
+    assert built.code == 0, built.stderr
+    assert len(built.json["int8_kernels"]) >= 3 and "int8" not in built.json["kernels_not_applied"], built.json
+    verified = tvmbert("verify", "modernbert-tiny", "--batch", "2", "--seq-len", "20", "--dtype", "int8",
+                       "--log-dir", str(tmp_path), "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
 @pytest.mark.parametrize("model", ["modernbert-tiny", "deberta-v3-tiny"])

@@ -80,8 +80,6 @@ FAMILIES: dict[str, Family] = {
                          not_packable="its local layers' window is not in the packed attention",
                          layer_not_alone="its layers take the rotary cos/sin and a per-layer-type mask as well",
                          kernels_not_applied={
-                             "fma": "its linear layers have no bias; the kernel takes a matmul with its bias add",
-                             "int8": "its linear layers have no bias: int8 builds run its matmuls in fp32",
                              "attention": "rotary positions between the projections and the scores; local layers' windowed mask"}),
     # DeBERTa-v3's model_type. Disentangled attention: content-to-position and position-to-content
     # scores from relative-position buckets. v3 configs have type_vocab_size 0: no segment ids.

@@ -36,7 +36,8 @@ def kernels_in(module, attribute: str) -> list[str]:
 
 class Epilogues:
     """What folds into a kernel of ours as it stores its result: ``add(matmul(x, W), b)`` (either
-    order, b a weight of N values, the product used by nothing else) and, after it, an activation
+    order, b a weight of N values, the product used by nothing else), or a bare ``matmul(x, W)``
+    with a zero bias (ModernBERT's layers have no biases), and, after it, an activation
     of ``activations`` on a reshaped view of the sum, used by nothing else (the FFN's GELU: the
     exporter applies it on [batch, tokens, 4 x hidden] after a [rows, 4 x hidden] matmul). A
     reshape of the activation back to the product's shape is then the kernel's result itself.
@@ -59,7 +60,7 @@ class Epilogues:
         def op_of(value):
             return getattr(getattr(value, "op", None), "name", None)
 
-        self.biased = {}  # the add's var -> (matmul, bias, sizes)
+        self.sums = {}  # the var the kernel's call replaces (the bias add's, or a bare matmul's) -> (matmul, bias or None, sizes)
         self.products = set()  # the matmuls' vars: dead once their add is the kernel's call
         self.activation = {}  # the add's var -> the activation's op
         self.activated = {}  # var -> the add's var whose kernel result it is (reshaped)
@@ -73,17 +74,21 @@ class Epilogues:
                 sizes = fits(values.get(product)) if isinstance(values.get(product), relax.Call) else None
                 if (sizes and uses.get(product) == 1 and bias in weights and bias.ty.dtype == "float32"
                         and [int(d) for d in bias.ty.shape] == [sizes[1]]):
-                    self.biased[binding.var] = (values[product], bias, sizes)
+                    self.sums[binding.var] = (values[product], bias, sizes)
                     self.products.add(product)
                     break
+        for binding in bindings:
+            if (isinstance(binding.var, relax.DataflowVar) and op_of(binding.value) == "relax.matmul"
+                    and binding.var not in self.products and (sizes := fits(binding.value))):
+                self.sums[binding.var] = (binding.value, None, sizes)
         for binding in bindings:
             if not isinstance(binding.var, relax.DataflowVar) or op_of(binding.value) != "relax.add":
                 continue
             for view, residual in (binding.value.args, binding.value.args[::-1]):
                 reshape = values.get(view)
-                if (op_of(reshape) == "relax.reshape" and uses.get(view) == 1 and reshape.args[0] in self.biased
+                if (op_of(reshape) == "relax.reshape" and uses.get(view) == 1 and reshape.args[0] in self.sums
                         and uses.get(reshape.args[0]) == 1 and reshape.args[0] not in self.residual
-                        and takes_residual(self.biased[reshape.args[0]][2]) and residual not in weights
+                        and takes_residual(self.sums[reshape.args[0]][2]) and residual not in weights
                         and list(residual.ty.shape) == list(binding.var.ty.shape) and residual.ty.dtype == "float32"):
                     self.residual[reshape.args[0]] = residual
                     self.activated[binding.var] = reshape.args[0]
@@ -93,7 +98,7 @@ class Epilogues:
             view = binding.value.args[0] if op_of(binding.value) in activations else None
             reshape = values.get(view)
             if (isinstance(binding.var, relax.DataflowVar) and op_of(reshape) == "relax.reshape" and uses.get(view) == 1
-                    and reshape.args[0] in self.biased and uses.get(reshape.args[0]) == 1
+                    and reshape.args[0] in self.sums and uses.get(reshape.args[0]) == 1
                     and reshape.args[0] not in self.residual):
                 self.activation[reshape.args[0]] = op_of(binding.value)
                 self.activated[binding.var] = reshape.args[0]
@@ -106,7 +111,7 @@ class Epilogues:
             source = binding.value.args[0] if op_of(binding.value) == "relax.astype" else None
             if source is None or str(binding.value.attrs.dtype) not in output_dtypes or uses.get(source) != 1:
                 continue
-            total = source if source in self.biased else self.activated.get(source)
+            total = source if source in self.sums else self.activated.get(source)
             if total is None or total in self.residual or not isinstance(binding.var, relax.DataflowVar):
                 continue
             self.out_dtype[total] = str(binding.value.attrs.dtype)
@@ -117,6 +122,7 @@ class Epilogues:
     def visit_binding(self, mutator, binding, call_kernel) -> bool:
         """``call_kernel(x, weight, bias, sizes, activation, residual, out_dtype) -> call`` for an
         add this folds (residual: the residual as [*lead, n], or None)."""
+        import numpy as np
         from tvm import relax
 
         if binding.var in self.products or binding.var in self.skipped:
@@ -127,14 +133,15 @@ class Epilogues:
                 result = mutator.builder_.emit(relax.op.reshape(result, binding.var.ty.shape))
             mutator.set_var_remap(binding.var, result)
             return True
-        if binding.var not in self.biased:
+        if binding.var not in self.sums:
             return False
-        matmul, bias, sizes = self.biased[binding.var]
+        matmul, bias, sizes = self.sums[binding.var]
         x, weight = (mutator.visit_expr(arg) for arg in matmul.args)
         residual = self.residual.get(binding.var)
         if residual is not None:
             residual = mutator.builder_.emit(relax.op.reshape(mutator.visit_expr(residual), (*sizes[0], sizes[1])))
-        call = call_kernel(x, weight, mutator.visit_expr(bias), sizes, self.activation.get(binding.var), residual,
+        bias = mutator.visit_expr(bias) if bias is not None else relax.const(np.zeros(sizes[1], "float32"))
+        call = call_kernel(x, weight, bias, sizes, self.activation.get(binding.var), residual,
                            self.out_dtype.get(binding.var, "float32"))
         mutator.set_var_remap(binding.var, mutator.builder_.emit(call))
         return True
