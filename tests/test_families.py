@@ -211,16 +211,30 @@ def test_position_tables_hold_transformers_numbers(name):
 
 
 def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path):
-    built = tvmbert("build", "modernbert-tiny", "--batch", "2", "--log-dir", str(tmp_path), "--json")
+    built = tvmbert("build", "deberta-v3-tiny", "--batch", "2", "--log-dir", str(tmp_path), "--json")
     assert built.code == 0, built.stderr
     assert set(built.json["kernels_not_applied"]) == {"attention"}
-    assert built.json["layer_norm_kernels"]  # ModernBERT's bias-free layer norms take ours
-    # and its bias-free matmuls the FMA kernel: Wqkv, Wo with the residual, GeGLU's Wi, its Wo with the residual
-    assert {name.split("_")[-1] for name in built.json["fma_kernels"]} >= {"residual"}, built.json["fma_kernels"]
-    assert len(built.json["fma_kernels"]) >= 3, built.json["fma_kernels"]
-    assert "do not apply to modernbert" in built.stderr and "rotary" in built.stderr
+    assert "do not apply to deberta-v2" in built.stderr and "c2p" in built.stderr
     assert_one_line_error(tvmbert("build", "modernbert-tiny", "--batch", "2", "--tokens", "20"),
                           "packed builds of modernbert models are not supported yet")
+
+
+def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmbert, workdir, tmp_path):
+    """Its bias-free matmuls on the FMA kernel, its rotary Q and K read by the attention kernel,
+    and its local layers' mask (a 4-token window here) computed in the kernel from the key
+    padding, only the key blocks within the window: no [batch, 1, seq, seq] mask is made. At 256
+    tokens the window skips whole blocks of keys; verify compares padded batches."""
+    args = ("modernbert-tiny", "--batch", "2", "--seq-len", "256", "--log-dir", str(tmp_path))
+    built = tvmbert("build", *args, "--json")
+    assert built.code == 0, built.stderr
+    assert built.json["kernels_not_applied"] == {} and built.json["layer_norm_kernels"], built.json
+    assert any(name.endswith("_residual") for name in built.json["fma_kernels"]) and len(built.json["fma_kernels"]) >= 3
+    assert sorted(built.json["attention_kernels"]) == ["attention_2x2x256x32_masked", "attention_2x2x256x32_masked_window4"]
+    optimized = (workdir / "modernbert-tiny" / "b2-s256-float32" / "optimize" / "module.py").read_text()
+    assert "R.Tensor((2, 1, 256, 256)" not in optimized and "R.Tensor((1, 1, 256, 256)" not in optimized
+    for dtype in ("float32", "int8"):  # int8 on AMX: the AMX-BF16 attention kernel's window
+        verified = tvmbert("verify", *args, "--dtype", dtype, "--samples", "4", "--json")
+        assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)
 
 
 def test_modernberts_bias_free_matmuls_run_in_int8(tvmbert, tmp_path):

@@ -78,9 +78,7 @@ FAMILIES: dict[str, Family] = {
     "modernbert": Family("ModernBertConfig", "ModernBert", inputs=("input_ids", "attention_mask"),
                          layers=lambda base: base.layers, position_tables="rotary", softmax_in_float32=True,
                          not_packable="its local layers' window is not in the packed attention",
-                         layer_not_alone="its layers take the rotary cos/sin and a per-layer-type mask as well",
-                         kernels_not_applied={
-                             "attention": "rotary positions between the projections and the scores; local layers' windowed mask"}),
+                         layer_not_alone="its layers take the rotary cos/sin and a per-layer-type mask as well"),
     # DeBERTa-v3's model_type. Disentangled attention: content-to-position and position-to-content
     # scores from relative-position buckets. v3 configs have type_vocab_size 0: no segment ids.
     "deberta-v2": Family("DebertaV2Config", "DebertaV2", position_tables="relative-buckets",

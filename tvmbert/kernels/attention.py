@@ -27,6 +27,7 @@ on AMX (``passes/pipeline.PassContext.attention_on_amx``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tvmbert.kernels.amx import KERNEL_ATTR as AMX_KERNEL_ATTR
@@ -120,6 +121,47 @@ def vectors_per_tile(count: int, lanes: int) -> int:
     return next(v for v in range(most, 0, -1) if count % v == 0)
 
 
+@dataclass(frozen=True)
+class KeySpan:
+    """The keys a block of ``rows`` query rows from ``first_row`` on attends to, in whole
+    ``align``-wide blocks: all of them, or with a window, those within it."""
+
+    seq: int
+    rows: int
+    window: int | None
+    align: int
+
+    def first(self, first_row):
+        from tvm.script import tirx as T
+
+        if self.window is None:
+            return 0
+        return T.max(first_row - self.window, 0) // self.align * self.align
+
+    def end(self, first_row):
+        from tvm.script import tirx as T
+
+        if self.window is None:
+            return self.seq
+        return T.min((first_row + self.rows - 1 + self.window) // self.align * self.align + self.align, self.seq)
+
+
+def key_span(seq: int, rows: int, window: int | None, align: int) -> KeySpan:
+    """A window that covers every key of every block computes them all, as without one."""
+    assert seq % align == 0, (seq, align)
+    return KeySpan(seq, rows, window if window is not None and window < seq else None, align)
+
+
+def window_mask(window: int | None):
+    """``windowed(i, j, score)``: the score, or the float32 minimum where query i and key j are
+    more than ``window`` apart (the graph's mask value)."""
+    from tvm.script import tirx as T
+
+    if window is None:
+        return lambda i, j, score: score
+    return lambda i, j, score: T.Select(T.abs(i - j) <= window, score, T.float32(-3.4028234663852886e38))
+
+
 def softmax_vectors(seq: int, lanes: int) -> int:
     """Vectors of a score row the softmax takes at a time: its exp is a chain of ~25 dependent
     instructions, which the CPU overlaps only across the vectors of one loop step (one vector a
@@ -138,7 +180,7 @@ def fits(seq: int, dim: int, lanes: int) -> bool:
 
 
 def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
-           scale: float | None, tokens: int | None = None, panel: int = 0):
+           scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None):
     """The PrimFunc ``y[b, s, h, :] = softmax(q_h[s] K_h^T * scale + mask) V_h`` for every
     sequence b and head h, where ``sources`` gives, for Q, K and V in turn, ``(columns, offset)``:
     each is read from a ``[batch * seq, columns]`` operand, head h's ``dim`` columns starting at
@@ -146,7 +188,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     one unread float. With ``tokens`` (a packed build: ``packing.py``), the operands hold that
     many rows and the int64 ``rows[batch * seq]`` says which one holds sequence b's token s (in
     range: the packer makes it); otherwise ``rows`` is one unread int32. With ``panel``, each
-    operand is held panel-major, ``[columns / panel, rows, panel]`` (``passes/fma_fp32.panel_major_variant``)."""
+    operand is held panel-major, ``[columns / panel, rows, panel]`` (``passes/fma_fp32.panel_major_variant``).
+    With ``window`` (ModernBERT's local layers), a score whose query and key are more than
+    ``window`` positions apart is masked, and only the key blocks within the window of a block
+    of query rows are computed (``key_span``): the work grows with the sequence, not its square."""
     import tvm
     from tvm.script import tirx as T
 
@@ -159,8 +204,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     block_rows = query_block(seq)  # scores, softmax and P V a block of query rows at a time
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
     row, at, mask_at = grid.row, grid.at, grid.mask_at
+    windowed = window_mask(window)
 
     softmax_width = softmax_vectors(seq, lanes) * lanes
+    span = key_span(seq, block_rows, window, math.lcm(score_width, softmax_width))
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, softmax_width, combine, lanes)
@@ -211,10 +258,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
                 if masked:
-                    scores[local + i, c * score_width + x] = acc[i, x] * scale_by + mask_at(
-                        mask, bh // heads, bh % heads, first + i, c * score_width + x)
+                    scores[local + i, c * score_width + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by + mask_at(
+                        mask, bh // heads, bh % heads, first + i, c * score_width + x))
                 else:
-                    scores[local + i, c * score_width + x] = acc[i, x] * scale_by
+                    scores[local + i, c * score_width + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by)
 
     @T.macro
     def output_fma(scores, v, vh, acc, bh, local, c, j):
@@ -268,7 +315,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     for b0 in range(seq // block_rows):  # a block of query rows: its scores stay in cache
                         # scores = Q K^T * scale + mask, a register tile at a time
                         for t in range(block_rows // ROWS):
-                            for c in range(seq // score_width):
+                            for c in range(span.first(b0 * block_rows) // score_width, span.end(b0 * block_rows) // score_width):
                                 zero(acc_top, score_width)
                                 zero(acc_bottom, score_width)
                                 for n in T.unroll(per_tile):
@@ -283,14 +330,14 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         # softmax's max, exp and sum over each row
                         for i in range(block_rows):
                             for x in T.vectorized(softmax_width):
-                                partial[x] = scores[i, x]
-                            for c in range(1, seq // softmax_width):
+                                partial[x] = scores[i, span.first(b0 * block_rows) + x]
+                            for c in range(span.first(b0 * block_rows) // softmax_width + 1, span.end(b0 * block_rows) // softmax_width):
                                 for x in T.vectorized(softmax_width):
                                     partial[x] = T.max(partial[x], scores[i, c * softmax_width + x])
                             row_max[0] = across_lanes(partial, T.max)
                             for x in T.vectorized(softmax_width):
                                 partial[x] = T.float32(0)
-                            for c in range(seq // softmax_width):
+                            for c in range(span.first(b0 * block_rows) // softmax_width, span.end(b0 * block_rows) // softmax_width):
                                 for x in T.vectorized(softmax_width):
                                     scores[i, c * softmax_width + x] = exp_float32(scores[i, c * softmax_width + x] - row_max[0])
                                     partial[x] = partial[x] + scores[i, c * softmax_width + x]
@@ -300,7 +347,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                             for c in range(dim // out_width):
                                 zero(acc_top, out_width)
                                 zero(acc_bottom, out_width)
-                                for j in range(seq):
+                                for j in range(span.first(b0 * block_rows), span.end(b0 * block_rows)):
                                     output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j)
                                     output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j)
                                 output_store(y, totals, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
@@ -333,7 +380,7 @@ def _bf16_rest(value):
 
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
-                    scale: float | None, tokens: int | None = None, panel: int = 0):
+                    scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None):
     """``kernel``'s attention (same operands and output) with its two matmuls on AMX-BF16
     (``tdpbf16ps``, fp32 sums), for the int8 build on AMX, where the fp32 kernel took a quarter of
     bert-base's time at 8 x 128 (docs/benchmarks.md, int8 on Sapphire Rapids).
@@ -352,11 +399,14 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     interleaving pairs of rows), then 32 x 32 blocks of four accumulator tiles (tmm0-3), row
     tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``. Scores, softmax and P V go
     32 query rows at a time, as the fp32 kernel's blocks do: a whole head's scores and
-    probabilities (1.5 MiB at 512 tokens) beside K's and V's pairs outgrew a core's 2 MiB L2."""
+    probabilities (1.5 MiB at 512 tokens) beside K's and V's pairs outgrew a core's 2 MiB L2.
+    With ``window``, as ``kernel``: only the key blocks within it."""
     import tvm
     from tvm.script import tirx as T
 
     assert amx_bf16_fits(seq, dim, lanes), (seq, dim, lanes)
+    span = key_span(seq, TILE, window, TILE)
+    windowed = window_mask(window)
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
     (q_columns, _), (k_columns, _), (v_columns, _) = grid.sources
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
@@ -372,9 +422,9 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
             T.evaluate(tile_instruction("tilezero", T.int8(tile)))
 
     @T.macro
-    def block_product(a, a_row, a_stride, b, b_row, b_column, b_stride, steps):
-        """tmm0-3 += a[a_row .. + 32, :] @ b (pairs) over ``steps`` k steps of 32."""
-        for ks in range(steps):
+    def block_product(a, a_row, a_stride, b, b_row, b_column, b_stride, k_first, k_end):
+        """tmm0-3 += a[a_row .. + 32, k_first .. k_end] @ b (pairs of those k), k steps of 32."""
+        for ks in range(k_first // TILE, k_end // TILE):
             T.evaluate(tile_instruction("tileloadd64", T.int8(4), T.address_of(a[a_row, ks * TILE]), T.int64(a_stride)))
             T.evaluate(tile_instruction("tileloadd64", T.int8(5), T.address_of(a[a_row + 16, ks * TILE]), T.int64(a_stride)))
             T.evaluate(tile_instruction("tileloadd64", T.int8(6), T.address_of(b[b_row + ks * 16, b_column]), T.int64(b_stride)))
@@ -434,28 +484,28 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                                     kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
                                     kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
                     for i0 in range(seq // TILE):  # a block of query rows at a time: its scores stay in L1 and L2
-                        for j0 in range(seq // TILE):
+                        for j0 in range(span.first(i0 * TILE) // TILE, span.end(i0 * TILE) // TILE):
                             zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
-                            block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
-                            block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, dim // TILE)
-                            block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, dim // TILE)
+                            block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
+                            block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, 0, dim)
+                            block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
                             store_block(scores, 0, j0 * TILE, seq * 4)
                         # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
                         for i in range(TILE):
                             for x in T.vectorized(lanes):
                                 partial[x] = T.float32(-3.4028234663852886e38)
-                            for c in range(seq // lanes):
+                            for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                                 for x in T.vectorized(lanes):
                                     if masked:
-                                        scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by + grid.mask_at(
-                                            mask, bh // heads, bh % heads, i0 * TILE + i, c * lanes + x)
+                                        scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by + grid.mask_at(
+                                            mask, bh // heads, bh % heads, i0 * TILE + i, c * lanes + x))
                                     else:
-                                        scores[i, c * lanes + x] = scores[i, c * lanes + x] * scale_by
+                                        scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by)
                                     partial[x] = T.max(partial[x], scores[i, c * lanes + x])
                             row_max[0] = across_lanes(partial, T.max)
                             for x in T.vectorized(lanes):
                                 partial[x] = T.float32(0)
-                            for c in range(seq // lanes):
+                            for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                                 for x in T.vectorized(lanes):
                                     rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
                                     partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
@@ -464,7 +514,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                         # y = P V / sum
                         for d0 in range(dim // TILE):
                             zero_block()
-                            block_product(pb, 0, seq * 2, vb, 0, d0 * TILE, dim * 4, seq // TILE)
+                            block_product(pb, 0, seq * 2, vb, 0, d0 * TILE, dim * 4, span.first(i0 * TILE), span.end(i0 * TILE))
                             store_block(out, 0, 0, TILE * 4)
                             for i in range(TILE):
                                 for x in T.vectorized(TILE):

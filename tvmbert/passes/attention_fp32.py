@@ -5,7 +5,7 @@ head transposes around them) found in the graph and replaced by one call of the 
 from __future__ import annotations
 
 from tvmbert.kernels.attention import amx_bf16_fits, amx_bf16_kernel, fits, kernel
-from tvmbert.passes.attention_graph import Attention, find
+from tvmbert.passes.attention_graph import Attention, find, padding_mask, row_major
 
 
 def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: int) -> dict:
@@ -24,7 +24,7 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
         if binding.var in found:
             attention = found[binding.var]
             reads[binding.var] = {source for source, _, _ in attention.sources} | {
-                var for var in (attention.mask, attention.rows) if isinstance(var, relax.Var)}
+                var for var in (attention.mask, attention.rows, attention.padding) if isinstance(var, relax.Var)}
         elif binding.var in outputs:
             reads[binding.var] = {outputs[binding.var]}
         else:
@@ -88,13 +88,15 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
         def kernel_for(self, found: Attention, panel: int):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
-            mask_shape = tuple(int(d) for d in found.mask.ty.shape) if found.mask is not None else None
-            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel)
+            masked_by = found.mask if found.mask is not None else found.padding
+            mask_shape = tuple(int(d) for d in masked_by.ty.shape) if masked_by is not None else None
+            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window)
             if key not in self.kernels:
                 on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
                 function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
-                                                                     found.tokens, panel)
+                                                                     found.tokens, panel, found.window)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
+                    + (f"_window{found.window}" if found.window is not None else "") \
                     + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
                     + ("_amx" if on_amx else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
@@ -121,15 +123,15 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                 operand_rows = found.tokens if found.tokens is not None else batch * seq
                 first = found.sources[0][0]  # all three panel-major, of one width, or none (_panel_sources)
                 panel = self.panel_sources[first][1][2] if first in self.panel_sources else 0  # [n / width, m, width][2]
-                for source, columns, _ in found.sources:
+                for (source, columns, _), head_major in zip(found.sources, found.head_major):
                     if panel:
                         operands.append(self.panels[source])
                         continue
-                    source = self.visit_expr(source)
-                    if [int(d) for d in source.ty.shape] != [operand_rows, columns]:
-                        source = self.builder_.emit(relax.op.reshape(source, (operand_rows, columns)))
-                    operands.append(source)
-                mask = self.visit_expr(found.mask) if found.mask is not None else unread()
+                    operands.append(row_major(self.builder_, self.visit_expr(source), head_major, operand_rows, columns))
+                if found.padding is not None:
+                    mask = padding_mask(self.builder_, self.visit_expr(found.padding))
+                else:
+                    mask = self.visit_expr(found.mask) if found.mask is not None else unread()
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
                 result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel), [*operands, mask, rows],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))

@@ -16,6 +16,15 @@ class Attention(NamedTuple):
     mask: object  # the 4-D float32 mask added to the scores, or None
     rows: object  # a packed build's [batch * seq] rows of the operands (int64), or None
     tokens: int | None  # the operands' rows, in a packed build
+    # Which of Q, K and V are head-major values [B, H, S, D] computed in the graph (ModernBERT's
+    # rotary positions on Q and K), not views of a projection's columns: made row-major first.
+    head_major: tuple[bool, bool, bool] = (False, False, False)
+    # A mask made of key padding alone, or of key padding and a window (ModernBERT's
+    # ``where(|i - j| <= window & padding[j], 0, min)``): the [B, 1, 1, S] bool of the keys that
+    # count (``mask`` is then None) and the window's half width, or None. The kernel computes the
+    # window itself, only its blocks of scores, and no [B, 1, S, S] mask is made.
+    padding: object = None
+    window: int | None = None
 
 
 class Dataflow:
@@ -68,6 +77,81 @@ class Dataflow:
         shape = shape_of(view)
         return (view, width, 0) if shape and np.prod(shape) == rows * width else None
 
+    @staticmethod
+    def constant(expr):
+        """A constant's values (numpy), or None."""
+        import tvm
+
+        return expr.value.numpy() if isinstance(expr, tvm.ir.expr.Constant) else None
+
+    def conjunction(self, condition) -> list:
+        """The factors of a bool tensor made by ``bitwise_and``/``logical_and`` and broadcasts."""
+        if self.op_of(condition) in ("relax.bitwise_and", "relax.logical_and"):
+            return [f for arg in self.values[condition].args for f in self.conjunction(arg)]
+        if self.op_of(condition) == "relax.broadcast_to":
+            return self.conjunction(self.values[condition].args[0])
+        return [condition]
+
+    def position_axis(self, expr, seq: int):
+        """The axis along which ``expr`` holds the positions 0 .. seq - 1 (an ``arange(0, seq)``
+        through expand_dims, reshapes and adds of 0), every other axis of size 1; or None."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        shape, value = shape_of(expr), expr
+        while self.op_of(value) in ("relax.expand_dims", "relax.reshape", "relax.add"):
+            call = self.values[value]
+            if self.op_of(value) == "relax.add":
+                zero = self.constant(call.args[1])
+                if zero is None or zero.size != 1 or int(zero.reshape(())) != 0:
+                    return None
+            value = call.args[0]
+        if self.op_of(value) != "relax.arange" or shape is None:
+            return None
+        start, end, step = (int(getattr(a, "value", -1)) for a in self.values[value].args)
+        axes = [axis for axis, size in enumerate(shape) if size != 1]
+        return axes[0] if (start, end, step) == (0, seq, 1) and len(axes) == 1 and shape[axes[0]] == seq else None
+
+    def window_of(self, factor, seq: int):
+        """w for ``|i - j| <= w`` over query positions i and key positions j; None for another factor."""
+        if self.op_of(factor) != "relax.less_equal" or self.op_of(self.values[factor].args[0]) != "relax.abs":
+            return None
+        difference, bound = self.values[self.values[factor].args[0]].args[0], self.constant(self.values[factor].args[1])
+        if self.op_of(difference) != "relax.subtract" or bound is None or bound.size != 1:
+            return None
+        axes = {self.position_axis(arg, seq) for arg in self.values[difference].args}
+        return int(bound.reshape(())) if axes == {2, 3} else None
+
+    def padding_and_window(self, mask, batch: int, seq: int):
+        """(padding, window) of a mask ``where(padding & [|i - j| <= window], 0, min)``, the rest
+        of its condition always true (constants, ``position >= 0``): padding the [B or 1, 1, 1, S]
+        bool of the keys that count, window w or None. None for any other mask."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        if self.op_of(mask) != "relax.where":
+            return None
+        condition, kept, masked = self.values[mask].args
+        if self.scalar(kept) != 0.0 or (self.scalar(masked) or 0.0) > -1e38:
+            return None
+        padding, window = None, None
+        for factor in self.conjunction(condition):
+            constant = self.constant(factor)
+            if constant is not None and constant.dtype == bool and constant.all():
+                continue
+            if (width := self.window_of(factor, seq)) is not None and window is None:
+                window = width
+                continue
+            if self.op_of(factor) == "relax.greater_equal":
+                bound = self.constant(self.values[factor].args[1])
+                if (bound is not None and bound.size == 1 and int(bound.reshape(())) == 0
+                        and self.position_axis(self.values[factor].args[0], seq) is not None):
+                    continue  # a position is never negative
+            if (padding is None and factor.ty.dtype == "bool" and shape_of(factor) in ((batch, 1, 1, seq), (1, 1, 1, seq))
+                    and self.constant(factor) is None):
+                padding = factor
+                continue
+            return None
+        return (padding, window) if padding is not None else None
+
     def heads_of(self, expr, transposed: bool):
         """(operand, columns, offset, rows, tokens) of a [B, H, S, D] (or, transposed,
         [B, H, D, S]) head-major view of a [B * S, H * D] row-major tensor's columns (rows None),
@@ -77,11 +161,11 @@ class Dataflow:
 
         values = self.values
         if self.op_of(expr) != "relax.permute_dims":
-            return None
+            return None if transposed else self.computed_heads(expr)
         if transposed and self.axes(expr) == [0, 1, 3, 2]:
             expr, transposed = values[expr].args[0], False
             if self.op_of(expr) != "relax.permute_dims":
-                return None
+                return self.computed_heads(expr)
         if not transposed and self.axes(expr) == [1, 0, 2, 3]:
             return self.gathered_heads(values[expr].args[0])
         source = values[expr].args[0]
@@ -91,6 +175,18 @@ class Dataflow:
         batch, seq, heads, dim = shape
         columns = self.columns_of(source, batch * seq, heads * dim)
         return None if columns is None else (*columns, None, None)
+
+    def computed_heads(self, expr):
+        """(value, H * D, 0, None, None, head-major) of a [B, H, S, D] float32 value the graph
+        computes head-major (rotary positions applied to Q or K), or None."""
+        from tvm import relax
+
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        shape = shape_of(expr)
+        if not isinstance(self.values.get(expr), relax.Call) or shape is None or len(shape) != 4 or expr.ty.dtype != "float32":
+            return None
+        return expr, shape[1] * shape[3], 0, None, None, True
 
     def gathered_heads(self, view):
         """The packed build's ``reshape(take(take(X, 0, axis=0), rows, axis=1), [H, B, S, D])``
@@ -160,7 +256,35 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
     rows = {s[3] for s in sources}
     if len(rows) != 1 or (None not in rows and shape_of(sources[0][3]) != (batch * seq,)):
         return None  # Q, K and V gathered alike, or not at all
-    return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4])
+    head_major = tuple(len(s) > 5 for s in sources)
+    padding, window = (graph.padding_and_window(mask, batch, seq) or (None, None)) if mask is not None else (None, None)
+    if padding is not None and sources[0][3] is None:
+        mask = None
+    else:
+        padding, window = None, None
+    return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4], head_major, padding,
+                     window)
+
+
+def row_major(builder, source, head_major: bool, rows: int, columns: int):
+    """An operand as the kernels read it, [rows, columns]: a head-major [B, H, S, D] value
+    transposed to [B, S, H, D] first (ModernBERT's rotary Q and K: TVM fuses the transpose into
+    the kernel that computes them)."""
+    from tvm import relax
+
+    if head_major:
+        source = builder.emit(relax.op.permute_dims(source, [0, 2, 1, 3]))
+    if [int(d) for d in source.ty.shape] != [rows, columns]:
+        source = builder.emit(relax.op.reshape(source, (rows, columns)))
+    return source
+
+
+def padding_mask(builder, padding):
+    """The additive [B, 1, 1, S] mask of a key padding bool: 0 where a key counts, the float32
+    minimum where not (the graph's ``where``, without its [B, 1, S, S] broadcast)."""
+    from tvm import relax
+
+    return builder.emit(relax.op.where(padding, relax.const(0.0, "float32"), relax.const(-3.4028234663852886e38, "float32")))
 
 
 def find(flow, fits) -> tuple[dict, dict]:
