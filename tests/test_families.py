@@ -210,11 +210,22 @@ def test_position_tables_hold_transformers_numbers(name):
     assert got.shape == want.shape and torch.equal(got, want)
 
 
-def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path):
-    built = tvmbert("build", "deberta-v3-tiny", "--batch", "2", "--log-dir", str(tmp_path), "--json")
+def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path, monkeypatch):
+    """A family's table entry says which of our kernels its graph cannot take, and why: build says
+    so where the kernel is in the pipeline and did not apply (every family takes them all today)."""
+    import dataclasses
+
+    from tvmbert.core import families
+
+    never = {"attention": "its attention is not the kernel's", "int8": "an int8 build's alone"}
+    monkeypatch.setitem(families.FAMILIES, "deberta-v2",
+                        dataclasses.replace(families.FAMILIES["deberta-v2"], kernels_not_applied=never))
+    monkeypatch.setattr("tvmbert.passes.attention_graph.attention_at", lambda *args: None)
+    built = tvmbert("build", "deberta-v3-tiny", "--batch", "2", "--log-dir", str(tmp_path), "--workdir", str(tmp_path / "work"),
+                    "--json")  # a workdir of its own: no other test's cached build
     assert built.code == 0, built.stderr
-    assert set(built.json["kernels_not_applied"]) == {"attention"}
-    assert "do not apply to deberta-v2" in built.stderr and "c2p" in built.stderr
+    assert built.json["kernels_not_applied"] == {"attention": "its attention is not the kernel's"}
+    assert "do not apply to deberta-v2" in built.stderr and "not the kernel's" in built.stderr
     assert_one_line_error(tvmbert("build", "modernbert-tiny", "--batch", "2", "--tokens", "20"),
                           "packed builds of modernbert models are not supported yet")
 
@@ -235,6 +246,17 @@ def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmber
     for dtype in ("float32", "int8"):  # int8 on AMX: the AMX-BF16 attention kernel's window
         verified = tvmbert("verify", *args, "--dtype", dtype, "--samples", "4", "--json")
         assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)
+
+
+def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert, tmp_path):
+    """Its flat [batch x heads, seq, seq] scores, the c2p and p2c terms added and the mask applied
+    by ``where``: one kernel call a layer, the terms and the mask read as its one additive mask."""
+    args = ("deberta-v3-tiny", "--batch", "2", "--seq-len", "32", "--log-dir", str(tmp_path))
+    built = tvmbert("build", *args, "--json")
+    assert built.code == 0, built.stderr
+    assert built.json["attention_kernels"] == ["attention_2x2x32x32_masked"], built.json
+    verified = tvmbert("verify", *args, "--samples", "4", "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
 def test_modernberts_bias_free_matmuls_run_in_int8(tvmbert, tmp_path):

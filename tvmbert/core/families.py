@@ -83,9 +83,7 @@ FAMILIES: dict[str, Family] = {
     # scores from relative-position buckets. v3 configs have type_vocab_size 0: no segment ids.
     "deberta-v2": Family("DebertaV2Config", "DebertaV2", position_tables="relative-buckets",
                          not_packable="its disentangled attention is not the one packed builds replace",
-                         layer_not_alone="its layers take the relative positions and their embeddings as well",
-                         kernels_not_applied={
-                             "attention": "disentangled attention: the c2p and p2c position scores join the content scores"}),
+                         layer_not_alone="its layers take the relative positions and their embeddings as well"),
 }
 
 

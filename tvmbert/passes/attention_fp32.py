@@ -5,7 +5,7 @@ head transposes around them) found in the graph and replaced by one call of the 
 from __future__ import annotations
 
 from tvmbert.kernels.attention import amx_bf16_fits, amx_bf16_kernel, fits, kernel
-from tvmbert.passes.attention_graph import Attention, find, padding_mask, row_major
+from tvmbert.passes.attention_graph import Attention, find, mask_operand, row_major
 
 
 def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: int) -> dict:
@@ -24,7 +24,8 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
         if binding.var in found:
             attention = found[binding.var]
             reads[binding.var] = {source for source, _, _ in attention.sources} | {
-                var for var in (attention.mask, attention.rows, attention.padding) if isinstance(var, relax.Var)}
+                var for var in (attention.mask, attention.rows, attention.padding, attention.bias, attention.excluded)
+                if isinstance(var, relax.Var)}
         elif binding.var in outputs:
             reads[binding.var] = {outputs[binding.var]}
         else:
@@ -85,11 +86,10 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             self.panel_sources = _panel_sources(self.module, function, flow, self.found, self.outputs, lanes)
             self.results, self.panels = {}, {}
 
-        def kernel_for(self, found: Attention, panel: int):
+        def kernel_for(self, found: Attention, panel: int, mask):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
-            masked_by = found.mask if found.mask is not None else found.padding
-            mask_shape = tuple(int(d) for d in masked_by.ty.shape) if masked_by is not None else None
+            mask_shape = tuple(int(d) for d in mask.ty.shape) if mask is not None else None
             key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window)
             if key not in self.kernels:
                 on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
@@ -128,12 +128,10 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                         operands.append(self.panels[source])
                         continue
                     operands.append(row_major(self.builder_, self.visit_expr(source), head_major, operand_rows, columns))
-                if found.padding is not None:
-                    mask = padding_mask(self.builder_, self.visit_expr(found.padding))
-                else:
-                    mask = self.visit_expr(found.mask) if found.mask is not None else unread()
+                mask = mask_operand(self.builder_, found, self.visit_expr)
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
-                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel), [*operands, mask, rows],
+                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask),
+                                                           [*operands, mask if mask is not None else unread(), rows],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))
                 self.results[binding.var] = result
                 self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))

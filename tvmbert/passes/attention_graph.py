@@ -25,6 +25,11 @@ class Attention(NamedTuple):
     # window itself, only its blocks of scores, and no [B, 1, S, S] mask is made.
     padding: object = None
     window: int | None = None
+    # DeBERTa's: a [B * H, S, S] float32 term added to the flat scores (its content-to-position
+    # and position-to-content scores, gathered by the graph), and the bool whose True scores are
+    # replaced by the float32 minimum (``where(~mask, min, scores)``). The kernel adds them as one mask.
+    bias: object = None
+    excluded: object = None
 
 
 class Dataflow:
@@ -152,6 +157,53 @@ class Dataflow:
             return None
         return (padding, window) if padding is not None else None
 
+    def broadcasts(self, expr, shape: tuple, dtype: str) -> bool:
+        """Whether ``expr`` is a 4-D ``dtype`` tensor that broadcasts to ``shape``."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        own = shape_of(expr)
+        return (expr.ty.dtype == dtype and own is not None and len(own) == 4
+                and all(o in (1, f) for o, f in zip(own, shape)))
+
+    def scaled(self, expr):
+        """(x, factor) of ``x * c``, ``c * x`` or ``x / c`` with c a scalar constant; (expr, None) otherwise."""
+        if self.op_of(expr) in ("relax.multiply", "relax.divide"):
+            left, right = self.values[expr].args
+            if self.scalar(right) is not None:
+                return left, self.scalar(right) if self.op_of(expr) == "relax.multiply" else 1.0 / self.scalar(right)
+            if self.op_of(expr) == "relax.multiply" and self.scalar(left) is not None:
+                return right, self.scalar(left)
+        return expr, None
+
+    def flat_scores(self, flat, batch: int, heads: int, seq: int):
+        """(Q view, K view, scale or None, bias or None) of DeBERTa's flat scores
+        ``matmul(Q3, K3^T [/ c]) [+ bias]``, Q3 and K3 [B * H, S, D] reshapes of head-major views
+        and bias [B * H, S, S]; None for anything else."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        bias = None
+        if self.op_of(flat) == "relax.add":
+            for product, other in (self.values[flat].args, self.values[flat].args[::-1]):
+                if (self.op_of(product) == "relax.matmul" and other.ty.dtype == "float32"
+                        and shape_of(other) == (batch * heads, seq, seq)):
+                    flat, bias = product, other
+                    break
+            else:
+                return None
+        if self.op_of(flat) != "relax.matmul":
+            return None
+        q3, kt3 = self.values[flat].args
+        kt3, scale = self.scaled(kt3)
+        if self.op_of(kt3) != "relax.permute_dims" or self.axes(kt3) != [0, 2, 1]:
+            return None
+        views = []
+        for flat_view in (q3, self.values[kt3].args[0]):
+            view = self.values[flat_view].args[0] if self.op_of(flat_view) == "relax.reshape" else None
+            if view is None or shape_of(view) is None or len(shape_of(view)) != 4 or shape_of(view)[:3] != (batch, heads, seq):
+                return None
+            views.append(view)
+        return views[0], views[1], scale, bias
+
     def heads_of(self, expr, transposed: bool):
         """(operand, columns, offset, rows, tokens) of a [B, H, S, D] (or, transposed,
         [B, H, D, S]) head-major view of a [B * S, H * D] row-major tensor's columns (rows None),
@@ -228,7 +280,12 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
     softmax = values[probabilities]
     if int(softmax.attrs.axis) % 4 != 3 or not fits(seq, dim):
         return None
-    scores, scale, mask = softmax.args[0], None, None
+    scores, scale, mask, bias, excluded = softmax.args[0], None, None, None, None
+    if op_of(scores) == "relax.where":  # DeBERTa: where(~mask, min, scores)
+        condition, masked, kept = values[scores].args
+        if (graph.scalar(masked) or 0.0) > -1e38 or not graph.broadcasts(condition, (batch, heads, seq, seq), "bool"):
+            return None
+        scores, excluded = kept, condition
     if op_of(scores) == "relax.add":
         for summand, other in (values[scores].args, values[scores].args[::-1]):
             other_shape = shape_of(other)
@@ -247,10 +304,17 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
             return None
         scale = factor if op_of(scores) == "relax.multiply" else 1.0 / factor
         scores = left if scalar(right) is not None else right
-    if op_of(scores) != "relax.matmul" or shape_of(scores) != (batch, heads, seq, seq):
+    if op_of(scores) == "relax.reshape" and shape_of(values[scores].args[0]) == (batch * heads, seq, seq):
+        found = graph.flat_scores(values[scores].args[0], batch, heads, seq)  # DeBERTa's [B * H, S, S]
+        if found is None or (found[2] is not None and scale is not None):
+            return None
+        q_view, k_view, scale, bias = found[0], found[1], found[2] if found[2] is not None else scale, found[3]
+        sources = (graph.heads_of(q_view, False), graph.heads_of(k_view, False), graph.heads_of(v, False))
+    elif op_of(scores) == "relax.matmul" and shape_of(scores) == (batch, heads, seq, seq):
+        q, kt = values[scores].args
+        sources = (graph.heads_of(q, False), graph.heads_of(kt, True), graph.heads_of(v, False))
+    else:
         return None
-    q, kt = values[scores].args
-    sources = (graph.heads_of(q, False), graph.heads_of(kt, True), graph.heads_of(v, False))
     if any(s is None for s in sources) or any(s[0].ty.dtype != "float32" for s in sources):
         return None
     rows = {s[3] for s in sources}
@@ -263,7 +327,7 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
     else:
         padding, window = None, None
     return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4], head_major, padding,
-                     window)
+                     window, bias, excluded)
 
 
 def row_major(builder, source, head_major: bool, rows: int, columns: int):
@@ -277,6 +341,27 @@ def row_major(builder, source, head_major: bool, rows: int, columns: int):
     if [int(d) for d in source.ty.shape] != [rows, columns]:
         source = builder.emit(relax.op.reshape(source, (rows, columns)))
     return source
+
+
+def mask_operand(builder, found: Attention, visit):
+    """The one additive mask the kernels read for ``found`` (broadcasting to [B, H, S, S]), or
+    None: its mask, or the key padding's; DeBERTa's position scores added; its excluded scores
+    replaced by the float32 minimum. ``visit`` maps the graph's vars to the rewritten ones."""
+    from tvm import relax
+
+    batch, heads, seq, _ = found.shape
+    term = None
+    if found.padding is not None:
+        term = padding_mask(builder, visit(found.padding))
+    elif found.mask is not None:
+        term = visit(found.mask)
+    if found.bias is not None:
+        bias = builder.emit(relax.op.reshape(visit(found.bias), (batch, heads, seq, seq)))
+        term = bias if term is None else builder.emit(relax.op.add(bias, term))
+    if found.excluded is not None:
+        term = builder.emit(relax.op.where(visit(found.excluded), relax.const(-3.4028234663852886e38, "float32"),
+                                           term if term is not None else relax.const(0.0, "float32")))
+    return term
 
 
 def padding_mask(builder, padding):

@@ -30,10 +30,11 @@ def flash_attention(target, dtype: str):
 
         def start(self, function):
             found, outputs = find(dataflow(function), lambda _seq, dim: fits(dim, kernel_dtype, target))
-            # (ModernBERT's rotary Q and K and windowed masks keep the graph here: the kernel reads
-            # a projection's columns and a dense mask)
+            # (ModernBERT's rotary Q and K and windowed masks, and DeBERTa's position scores, keep
+            # the graph here: the kernel reads a projection's columns and one mask)
             self.found = {var: attention for var, attention in found.items()
-                          if attention.rows is None and attention.padding is None and not any(attention.head_major)}
+                          if attention.rows is None and attention.padding is None and not any(attention.head_major)
+                          and attention.bias is None and attention.excluded is None}
             self.outputs = {var: product for var, product in outputs.items() if product in self.found}
             self.results, self.narrowed = {}, {}
 
