@@ -78,13 +78,13 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             super().__init__(module)
             self.module = module
             self.kernels, self.variants = {}, {}
-            self.found, self.outputs, self.results, self.panel_sources, self.panels = {}, {}, {}, {}, {}
+            self.found, self.outputs, self.results, self.panel_sources, self.panels, self.padding_masks = {}, {}, {}, {}, {}, {}
 
         def start(self, function):
             flow = dataflow(function)
             self.found, self.outputs = find(flow, lambda seq, dim: fits(seq, dim, lanes))
             self.panel_sources = _panel_sources(self.module, function, flow, self.found, self.outputs, lanes)
-            self.results, self.panels = {}, {}
+            self.results, self.panels, self.padding_masks = {}, {}, {}
 
         def kernel_for(self, found: Attention, panel: int, mask):
             batch, heads, seq, dim = found.shape
@@ -128,7 +128,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                         operands.append(self.panels[source])
                         continue
                     operands.append(row_major(self.builder_, self.visit_expr(source), head_major, operand_rows, columns))
-                mask = mask_operand(self.builder_, found, self.visit_expr)
+                mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks)
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
                 result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask),
                                                            [*operands, mask if mask is not None else unread(), rows],

@@ -343,16 +343,19 @@ def row_major(builder, source, head_major: bool, rows: int, columns: int):
     return source
 
 
-def mask_operand(builder, found: Attention, visit):
+def mask_operand(builder, found: Attention, visit, padding_masks: dict):
     """The one additive mask the kernels read for ``found`` (broadcasting to [B, H, S, S]), or
-    None: its mask, or the key padding's; DeBERTa's position scores added; its excluded scores
+    None: its mask, or the key padding's (made once per padding, ``padding_masks`` holding those
+    made: every layer reads the same); DeBERTa's position scores added; its excluded scores
     replaced by the float32 minimum. ``visit`` maps the graph's vars to the rewritten ones."""
     from tvm import relax
 
     batch, heads, seq, _ = found.shape
     term = None
     if found.padding is not None:
-        term = padding_mask(builder, visit(found.padding))
+        if found.padding not in padding_masks:
+            padding_masks[found.padding] = padding_mask(builder, visit(found.padding))
+        term = padding_masks[found.padding]
     elif found.mask is not None:
         term = visit(found.mask)
     if found.bias is not None:

@@ -8,7 +8,7 @@ mixed-precision, which leaves the call alone. In fp16 builds the kernel reads Q,
 from __future__ import annotations
 
 from tvmbert.kernels.flash_attention import fits, kernel
-from tvmbert.passes.attention_graph import Attention, find
+from tvmbert.passes.attention_graph import Attention, find, mask_operand
 
 
 def flash_attention(target, dtype: str):
@@ -26,22 +26,23 @@ def flash_attention(target, dtype: str):
         def __init__(self, module):
             super().__init__(module)
             self.kernels = {}
-            self.found, self.outputs, self.results, self.narrowed = {}, {}, {}, {}
+            self.found, self.outputs, self.results, self.narrowed, self.padding_masks = {}, {}, {}, {}, {}
 
         def start(self, function):
             found, outputs = find(dataflow(function), lambda _seq, dim: fits(dim, kernel_dtype, target))
             # (ModernBERT's rotary Q and K and windowed masks, and DeBERTa's position scores, keep
-            # the graph here: the kernel reads a projection's columns and one mask)
+            # the graph here: the kernel reads a projection's columns and a mask, not a window)
             self.found = {var: attention for var, attention in found.items()
-                          if attention.rows is None and attention.padding is None and not any(attention.head_major)
+                          if attention.rows is None and attention.window is None and not any(attention.head_major)
                           and attention.bias is None and attention.excluded is None}
             self.outputs = {var: product for var, product in outputs.items() if product in self.found}
-            self.results, self.narrowed = {}, {}
+            self.results, self.narrowed, self.padding_masks = {}, {}, {}
 
         def kernel_for(self, found: Attention):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
-            mask_shape = tuple(int(d) for d in found.mask.ty.shape) if found.mask is not None else None
+            masked_by = found.mask if found.mask is not None else found.padding
+            mask_shape = tuple(int(d) for d in masked_by.ty.shape) if masked_by is not None else None
             key = (found.shape, columns, mask_shape, found.scale)
             if key not in self.kernels:
                 function = kernel(batch, heads, seq, dim, columns, mask_shape, found.scale if found.scale is not None else 1.0,
@@ -68,9 +69,9 @@ def flash_attention(target, dtype: str):
                     if [int(d) for d in source.ty.shape] != [batch * seq, columns]:
                         source = self.builder_.emit(relax.op.reshape(source, (batch * seq, columns)))
                     operands.append(source)
-                mask = self.visit_expr(found.mask) if found.mask is not None else relax.const(0.0, "float32")
-                if found.mask is None:
-                    mask = self.builder_.emit(relax.op.reshape(mask, (1, 1, 1, 1)))
+                mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks)
+                if mask is None:
+                    mask = self.builder_.emit(relax.op.reshape(relax.const(0.0, "float32"), (1, 1, 1, 1)))
                 outputs = self.builder_.emit(relax.call_tir(
                     self.kernel_for(found), [*operands, mask],
                     [relax.TensorType((batch, seq, heads, dim), kernel_dtype), relax.TensorType((batch, seq, heads), "float32")]))
