@@ -220,3 +220,15 @@ def test_an_onnx_export_removes_the_scratch_folder_a_killed_bench_left(tmp_path)
         written.write_bytes(b"model")
     assert sorted(file.name for file in tmp_path.iterdir()) == sorted(["model.onnx", "model.onnx.data", beside.name])
     assert (tmp_path / "model.onnx.data").read_bytes() == b"new weights"
+
+
+def test_compiled_and_captured_peers_take_eager_attention_where_a_family_has_no_sdpa():
+    """DeBERTa-v2 has no SDPA attention in transformers: torch-compile compiles its eager one
+    (asking for SDPA failed its setup, and DeBERTa went without a compiled peer)."""
+    from types import SimpleNamespace
+
+    from tvmbert.frontend import models
+    from tvmbert.stages.bench.engines import fastest_attention
+
+    assert [fastest_attention(SimpleNamespace(source=models.resolve(name)))
+            for name in ("deberta-v3-tiny", "modernbert-tiny", "bert-tiny")] == ["eager", "sdpa", "sdpa"]

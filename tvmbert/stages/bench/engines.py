@@ -203,12 +203,18 @@ def torch_sdpa(job: Job, inputs, threads: int) -> Engine:
     return _torch("torch-sdpa", job, inputs, "sdpa")
 
 
+def fastest_attention(job: Job) -> str:
+    """The attention a PyTorch user of this family would compile or capture: SDPA where
+    transformers has it for the family, else eager (DeBERTa-v2 has no SDPA attention)."""
+    return "sdpa" if getattr(models.model_class(job.source), "_supports_sdpa", False) else "eager"
+
+
 def torch_cudagraph(job: Job, inputs, threads: int) -> Engine:
-    return _torch("torch-cudagraph", job, inputs, "sdpa", graph=True)
+    return _torch("torch-cudagraph", job, inputs, fastest_attention(job), graph=True)
 
 
 def torch_compile(job: Job, inputs, threads: int) -> Engine:
-    return _torch("torch-compile", job, inputs, "sdpa", compiled=True)
+    return _torch("torch-compile", job, inputs, fastest_attention(job), compiled=True)
 
 
 def onnx_session(job: Job, path, sample, threads: int, dynamic_shapes=None):
