@@ -183,6 +183,7 @@ def test_the_cuda_graph_peer_captures_once_and_each_call_replays_synchronized(mo
         yield
 
     monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice(calls))
+    monkeypatch.setattr(engines, "fastest_attention", lambda job: "sdpa")  # the fake job has no model source
     for name, value in {"synchronize": lambda: calls.append("synchronize"), "CUDAGraph": Graph, "graph": capturing,
                         "Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext()}.items():
         monkeypatch.setattr(torch.cuda, name, value)
