@@ -71,6 +71,27 @@ def _row_chunk(row_blocks: int, block_bytes: int, chunk_bytes: int) -> int:
     return max((d for d in range(1, row_blocks + 1) if row_blocks % d == 0 and d * block_bytes <= chunk_bytes), default=1)
 
 
+def next_panel_prefetch(k: int, element_bytes: int, blocks: int, steps: int):
+    """A TIR macro ``prefetch(w_lines, p, step)``: the step-th of ``blocks x steps`` shares of the
+    lines of the weights' next column panel (32 columns x k elements, after panel p; ``w_lines``
+    the weights flat) into L2, so that its first row block does not wait on memory (at 128 rows a
+    panel's weights are read from memory by 1 of its 4 row blocks). No lines where a panel has one
+    block: that runs at memory's rate already (bert-base 1 x 14)."""
+    from tvm.script import tirx as T
+
+    panel_elements, line_elements = TILE * k, CACHE_LINE // element_bytes
+    panel_lines = panel_elements // line_elements
+    lines_per_step = -(-panel_lines // (blocks * steps)) if blocks > 1 else 0
+
+    @T.macro
+    def prefetch(w_lines, p, step):
+        for line in range(lines_per_step):
+            if step * lines_per_step + line < panel_lines:
+                T.evaluate(prefetch_to_l2(T.address_of(w_lines[(p + 1) * panel_elements + (step * lines_per_step + line) * line_elements])))
+
+    return prefetch
+
+
 def bf16_fits(m: int, n: int, k: int) -> bool:
     """Whether the bf16 kernel takes a matmul of these sizes (M is padded, N and K are not)."""
     return m >= 1 and n % TILE == 0 and k % TILE == 0 and n > 0 and k > 0
@@ -104,10 +125,7 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
     chunk = _row_chunk(row_blocks, TILE * k * 2, row_chunk_bytes)
     rows_per_step = -(-TILE // k_blocks)  # of the previous block's epilogue, per k step of the next
-    panel_lines = k  # a column block's weights: 32 columns x k bf16, k lines of 64 bytes
-    # Of the next panel's, per k step of a chunk; none where a chunk is one row block (bert-base 1 x 14):
-    # each block then reads its weights from memory anyway, at memory's rate.
-    lines_per_step = -(-panel_lines // (chunk * k_blocks)) if chunk > 1 else 0
+    prefetch_next_panel = next_panel_prefetch(k, 2, chunk, k_blocks)
     configure_tiles = tile_configuration()
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
 
@@ -152,10 +170,7 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                                 T.evaluate(tile_instruction("tdpbf16ps", T.int8(2), T.int8(5), T.int8(6)))
                                 T.evaluate(tile_instruction("tdpbf16ps", T.int8(3), T.int8(5), T.int8(7)))
                                 if nb + 1 < col_blocks:
-                                    for line in range(lines_per_step):
-                                        if (mi * k_blocks + kb) * lines_per_step + line < panel_lines:
-                                            T.evaluate(prefetch_to_l2(T.address_of(
-                                                w_lines[(nb + 1) * TILE * k + ((mi * k_blocks + kb) * lines_per_step + line) * 32])))
+                                    prefetch_next_panel(w_lines, nb, mi * k_blocks + kb)
                                 if mi > 0:
                                     for i in range(rows_per_step):
                                         if kb * rows_per_step + i < TILE:
@@ -211,8 +226,8 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     whole_blocks, half_block = rows // TILE, rows % TILE > 0
     panels, k_steps = n // TILE, k // INT8_K_STEP
     panel_stride = TILE * 4  # bytes from one k quad of a panel to the next
-    panel_lines = k * TILE // CACHE_LINE
     chunk = _row_chunk(whole_blocks, TILE * k, row_chunk_bytes)
+    prefetch_next_panel = next_panel_prefetch(k, 1, chunk, k_steps)
     rows_per_step = -(-TILE // k_steps)  # of the previous block's epilogue, per k step of the next
     configure_tiles = tile_configuration()
 
@@ -229,20 +244,12 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                                                                      sw[p * TILE + j], b[p * TILE + j]))
 
     @T.macro
-    def prefetch_next_panel(w_lines, p, step, lines_per_step):
-        """The next panel's lines into L2, a few per k step, so that its first block does not wait
-        on memory (at 128 rows a panel's weights are read from memory by 1 of its 4 row blocks).
-        Not where a panel has one block: that runs at memory's rate already (bert-base 1 x 14)."""
-        for line in range(lines_per_step):
-            if step * lines_per_step + line < panel_lines:
-                T.evaluate(prefetch_to_l2(T.address_of(w_lines[(p + 1) * k * TILE + (step * lines_per_step + line) * CACHE_LINE])))
-
-    @T.macro
-    def row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, row, halves, stored, block_index, blocks_per_panel):
+    def row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, row, halves, stored, block_index, prefetching):
         # halves: 2 for a whole block (accumulators tmm0-3, rows tmm4-5), 1 for its first 16 rows.
         # stored: the row of the block the buffer holds (-1: none), whose rows are dequantized a
         # few per k step, between this block's tile instructions (they overlap on the core).
-        # block_index of blocks_per_panel: which share of the next panel's lines it prefetches.
+        # block_index: which share of the next panel's lines it prefetches, where ``prefetching``
+        # (a chunk's blocks; not a last half block, the panel's only one).
         for tile in T.unroll(2 * halves):
             T.evaluate(tile_instruction("tilezero", T.int8(tile)))
         for ks in range(k_steps):
@@ -253,8 +260,8 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
             for half in T.unroll(halves):
                 T.evaluate(tile_instruction("tdpbusd", T.int8(2 * half), T.int8(4 + half), T.int8(6)))
                 T.evaluate(tile_instruction("tdpbusd", T.int8(2 * half + 1), T.int8(4 + half), T.int8(7)))
-            if p + 1 < panels and blocks_per_panel > 1:
-                prefetch_next_panel(w_lines, p, block_index * k_steps + ks, -(-panel_lines // (blocks_per_panel * k_steps)))
+            if p + 1 < panels and prefetching:
+                prefetch_next_panel(w_lines, p, block_index * k_steps + ks)
             if stored >= 0:
                 for r in range(rows_per_step):
                     if ks * rows_per_step + r < TILE:
@@ -282,7 +289,7 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                         block = T.alloc_buffer((TILE, TILE), "int32", scope="local")  # the accumulator tiles, stored
                         for mi in range(chunk):
                             row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, (mc * chunk + mi) * TILE, 2,
-                                      T.if_then_else(mi > 0, (mc * chunk + mi - 1) * TILE, -1), mi, chunk)
+                                      T.if_then_else(mi > 0, (mc * chunk + mi - 1) * TILE, -1), mi, True)
                         for i in range(TILE):
                             store_row(c0, sw, sx, b, rf, yf, block, p, (mc * chunk + chunk - 1) * TILE, i)
                         T.evaluate(tile_instruction("tilerelease"))
@@ -290,7 +297,7 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                     for p in T.parallel(panels):
                         configure_tiles()
                         block = T.alloc_buffer((TILE, TILE), "int32", scope="local")
-                        row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, 1, -1, 0, 1)
+                        row_block(x, wq, w_lines, c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, 1, -1, 0, False)
                         for i in range(HALF_BLOCK):
                             store_row(c0, sw, sx, b, rf, yf, block, p, whole_blocks * TILE, i)
                         T.evaluate(tile_instruction("tilerelease"))
