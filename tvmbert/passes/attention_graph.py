@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
+MASKED = -3.4028234663852886e38  # float32's minimum: what the graphs' masks put in a masked score
+
+
 class Attention(NamedTuple):
     """What the rewrite found for one ``matmul(softmax(Q K^T * scale + mask), V)``."""
 
@@ -296,14 +299,7 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
                 break
         else:
             return None
-    if op_of(scores) in ("relax.multiply", "relax.divide"):
-        left, right = values[scores].args
-        scalar = graph.scalar
-        factor = scalar(right) if scalar(right) is not None else (scalar(left) if op_of(scores) == "relax.multiply" else None)
-        if factor is None:
-            return None
-        scale = factor if op_of(scores) == "relax.multiply" else 1.0 / factor
-        scores = left if scalar(right) is not None else right
+    scores, scale = graph.scaled(scores)
     if op_of(scores) == "relax.reshape" and shape_of(values[scores].args[0]) == (batch * heads, seq, seq):
         found = graph.flat_scores(values[scores].args[0], batch, heads, seq)  # DeBERTa's [B * H, S, S]
         if found is None or (found[2] is not None and scale is not None):
@@ -362,7 +358,7 @@ def mask_operand(builder, found: Attention, visit, padding_masks: dict):
         bias = builder.emit(relax.op.reshape(visit(found.bias), (batch, heads, seq, seq)))
         term = bias if term is None else builder.emit(relax.op.add(bias, term))
     if found.excluded is not None:
-        term = builder.emit(relax.op.where(visit(found.excluded), relax.const(-3.4028234663852886e38, "float32"),
+        term = builder.emit(relax.op.where(visit(found.excluded), relax.const(MASKED, "float32"),
                                            term if term is not None else relax.const(0.0, "float32")))
     return term
 
@@ -372,7 +368,7 @@ def padding_mask(builder, padding):
     minimum where not (the graph's ``where``, without its [B, 1, S, S] broadcast)."""
     from tvm import relax
 
-    return builder.emit(relax.op.where(padding, relax.const(0.0, "float32"), relax.const(-3.4028234663852886e38, "float32")))
+    return builder.emit(relax.op.where(padding, relax.const(0.0, "float32"), relax.const(MASKED, "float32")))
 
 
 def find(flow, fits) -> tuple[dict, dict]:

@@ -38,11 +38,10 @@ def flash_attention(target, dtype: str):
             self.outputs = {var: product for var, product in outputs.items() if product in self.found}
             self.results, self.narrowed, self.padding_masks = {}, {}, {}
 
-        def kernel_for(self, found: Attention):
+        def kernel_for(self, found: Attention, mask):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
-            masked_by = found.mask if found.mask is not None else found.padding
-            mask_shape = tuple(int(d) for d in masked_by.ty.shape) if masked_by is not None else None
+            mask_shape = tuple(int(d) for d in mask.ty.shape) if mask is not None else None
             key = (found.shape, columns, mask_shape, found.scale)
             if key not in self.kernels:
                 function = kernel(batch, heads, seq, dim, columns, mask_shape, found.scale if found.scale is not None else 1.0,
@@ -70,10 +69,11 @@ def flash_attention(target, dtype: str):
                         source = self.builder_.emit(relax.op.reshape(source, (batch * seq, columns)))
                     operands.append(source)
                 mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks)
+                kernel_for_mask = self.kernel_for(found, mask)
                 if mask is None:
                     mask = self.builder_.emit(relax.op.reshape(relax.const(0.0, "float32"), (1, 1, 1, 1)))
                 outputs = self.builder_.emit(relax.call_tir(
-                    self.kernel_for(found), [*operands, mask],
+                    kernel_for_mask, [*operands, mask],
                     [relax.TensorType((batch, seq, heads, dim), kernel_dtype), relax.TensorType((batch, seq, heads), "float32")]))
                 result = self.builder_.emit(relax.TupleGetItem(outputs, 0))
                 if kernel_dtype != "float32":  # flat-epilogues drops this cast and mixed-precision's back
