@@ -11,7 +11,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEBERTA_V3, FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
-from helpers import WITHOUT_KERNELS, assert_one_line_error
+from helpers import HOST_LANES, WITHOUT_KERNELS, assert_one_line_error
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -230,6 +230,7 @@ def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path, monkeyp
                           "packed builds of modernbert models are not supported yet")
 
 
+@pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmbert, workdir, tmp_path):
     """Its bias-free matmuls on the FMA kernel, its rotary Q and K read by the attention kernel,
     and its local layers' mask (a 4-token window here) computed in the kernel from the key
@@ -248,6 +249,7 @@ def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmber
         assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)
 
 
+@pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert, tmp_path):
     """Its flat [batch x heads, seq, seq] scores, the c2p and p2c terms added and the mask applied
     by ``where``: one kernel call a layer, the terms and the mask read as its one additive mask."""
@@ -259,6 +261,7 @@ def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert,
     assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
+@pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_modernberts_bias_free_matmuls_run_in_int8(tvmbert, tmp_path):
     """Its linear layers have no bias: the int8 kernels take bare matmuls too (a zero bias), or an
     int8 build of it would quantize nothing."""
