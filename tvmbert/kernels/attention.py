@@ -41,6 +41,11 @@ ROWS = 4  # query rows per register tile
 # each per 256 tokens at bert-base's head size) it stays in a core's L2 while the block's
 # softmax and P V reread it, where a whole head's scores (1 MiB at 512 tokens) would not.
 SCORES_BYTES = 64 * 1024
+# Past this many keys a head's keys are taken a block at a time, the softmax kept running (the
+# row's max and sum so far, the output rescaled as they grow: flash attention's online softmax):
+# whole rows of scores within SCORES_BYTES would leave blocks of 8 query rows at 2048 tokens and
+# 4 at 4096, each rereading the head's K^T and V (1 MiB each at 4096 tokens) from past L2.
+KEY_BLOCK = 512
 SOFTMAX_VECTORS = 4  # vectors of a row's scores per softmax step (softmax_vectors)
 
 
@@ -169,10 +174,17 @@ def softmax_vectors(seq: int, lanes: int) -> int:
     return next(v for v in (SOFTMAX_VECTORS, 2, 1) if seq % (v * lanes) == 0)
 
 
-def query_block(seq: int) -> int:
+def key_block(seq: int, align: int) -> int:
+    """Keys done at a time: all of them up to KEY_BLOCK, else KEY_BLOCK's whole ``align``-wide
+    blocks (the last block of a head may be shorter)."""
+    return seq if seq <= KEY_BLOCK else max(KEY_BLOCK // align, 1) * align
+
+
+def query_block(seq: int, keys: int | None = None) -> int:
     """Query rows done at a time: the most, dividing ``seq`` in whole register tiles, whose
-    scores stay within SCORES_BYTES (one tile's at least)."""
-    return max([rows for rows in range(ROWS, seq + 1, ROWS) if seq % rows == 0 and rows * seq * 4 <= SCORES_BYTES] or [ROWS])
+    scores over ``keys`` keys (all of them by default) stay within SCORES_BYTES (one tile's at least)."""
+    keys = seq if keys is None else keys
+    return max([rows for rows in range(ROWS, seq + 1, ROWS) if seq % rows == 0 and rows * keys * 4 <= SCORES_BYTES] or [ROWS])
 
 
 def fits(seq: int, dim: int, lanes: int) -> bool:
@@ -191,7 +203,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     operand is held panel-major, ``[columns / panel, rows, panel]`` (``passes/fma_fp32.panel_major_variant``).
     With ``window`` (ModernBERT's local layers), a score whose query and key are more than
     ``window`` positions apart is masked, and only the key blocks within the window of a block
-    of query rows are computed (``key_span``): the work grows with the sequence, not its square."""
+    of query rows are computed (``key_span``): the work grows with the sequence, not its square.
+    Past KEY_BLOCK tokens, keys a block at a time with a running softmax (``key_block``)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -201,16 +214,25 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     score_width = vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     width = max(score_width, out_width)
-    block_rows = query_block(seq)  # scores, softmax and P V a block of query rows at a time
+    softmax_width = softmax_vectors(seq, lanes) * lanes
+    align = math.lcm(score_width, softmax_width)
+    keys = key_block(seq, align)  # a block of query rows' scores, softmax and P V a block of keys at a time
+    single = keys >= seq  # one block of keys: no running max and sum, the output stored once
+    block_rows = query_block(seq, keys)
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
     row, at, mask_at = grid.row, grid.at, grid.mask_at
     windowed = window_mask(window)
-
-    softmax_width = softmax_vectors(seq, lanes) * lanes
-    span = key_span(seq, block_rows, window, math.lcm(score_width, softmax_width))
+    span = key_span(seq, block_rows, window, align)
+    lowest = T.float32(-3.4028234663852886e38)
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, softmax_width, combine, lanes)
+
+    def keys_first(b0, kb):  # the first key of block kb that query block b0 attends to
+        return T.max(kb * keys, span.first(b0 * block_rows))
+
+    def keys_end(b0, kb):
+        return T.min(kb * keys + keys, span.end(b0 * block_rows))
 
     # The next head's Q, K and V rows (strided columns of the operands, which the hardware
     # prefetcher does not follow) are prefetched while this head's scores are computed, spread
@@ -252,32 +274,105 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 acc[i, x] = acc[i, x] + grid.head_row(q, rows, 0, bh, first + i, d0, e) \
                     * kt[d0 * lanes + e, c * score_width + x]
 
-    # ``local`` is a row of the block's scores, ``first`` the same row of the sequence.
+    # ``local`` is a row of the block's scores, ``first`` the same row of the sequence; ``base``
+    # the key at the block's first column.
     @T.macro
-    def score_store(mask, scores, acc, bh, local, first, c):
+    def score_store(mask, scores, acc, bh, local, first, c, base):
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
                 if masked:
-                    scores[local + i, c * score_width + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by + mask_at(
+                    scores[local + i, c * score_width - base + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by + mask_at(
                         mask, bh // heads, bh % heads, first + i, c * score_width + x))
                 else:
-                    scores[local + i, c * score_width + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by)
+                    scores[local + i, c * score_width - base + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by)
 
     @T.macro
-    def output_fma(scores, v, vh, acc, bh, local, c, j):
+    def output_start(out, rescale, acc, local, c):  # what the blocks of keys before this one summed, rescaled
+        for i in T.unroll(half):
+            for x in T.vectorized(out_width):
+                acc[i, x] = out[local + i, c * out_width + x] * rescale[local + i]
+
+    @T.macro
+    def output_fma(scores, v, vh, acc, bh, local, c, j, base):
         for i in T.unroll(half):
             for x in T.vectorized(out_width):
                 if v_in_place:
-                    acc[i, x] = acc[i, x] + scores[local + i, j] * v[(v_offset + bh % heads * dim) // panel, bh // heads * seq + j,
-                                                                     c * out_width + x]
+                    acc[i, x] = acc[i, x] + scores[local + i, j - base] * v[(v_offset + bh % heads * dim) // panel, bh // heads * seq + j,
+                                                                            c * out_width + x]
                 else:
-                    acc[i, x] = acc[i, x] + scores[local + i, j] * vh[j, c * out_width + x]
+                    acc[i, x] = acc[i, x] + scores[local + i, j - base] * vh[j, c * out_width + x]
 
     @T.macro
     def output_store(y, totals, acc, bh, local, first, c):
         for i in T.unroll(half):
             for x in T.vectorized(out_width):
                 y[bh // heads, first + i, bh % heads, c * out_width + x] = acc[i, x] / totals[local + i]
+
+    @T.macro
+    def output_keep(out, acc, local, c):
+        for i in T.unroll(half):
+            for x in T.vectorized(out_width):
+                out[local + i, c * out_width + x] = acc[i, x]
+
+    @T.macro
+    def key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom, partial, bh, b0, kb, last):
+        """Query block b0 over key block kb: its scores, their softmax (with the running max and
+        sum of the blocks before unless ``single``) and P V, added to ``out`` or, ``last``, the
+        output divided by the row sums."""
+        # scores = Q K^T * scale + mask, a register tile at a time
+        for t in range(block_rows // ROWS):
+            for c in range(keys_first(b0, kb) // score_width, keys_end(b0, kb) // score_width):
+                zero(acc_top, score_width)
+                zero(acc_bottom, score_width)
+                for n in T.unroll(per_tile):
+                    T.evaluate(prefetch_next_head(q, q_offset, rows, bh, prefetched_line(b0, t, c, n)))
+                    T.evaluate(prefetch_next_head(k, k_offset, rows, bh, prefetched_line(b0, t, c, n)))
+                    T.evaluate(prefetch_next_head(v, v_offset, rows, bh, prefetched_line(b0, t, c, n)))
+                for d0, e in T.grid(dim // lanes, lanes):
+                    score_fma(q, kt, rows, acc_top, bh, b0 * block_rows + t * ROWS, c, d0, e)
+                    score_fma(q, kt, rows, acc_bottom, bh, b0 * block_rows + t * ROWS + half, c, d0, e)
+                score_store(mask, scores, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c, kb * keys)
+                score_store(mask, scores, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c, kb * keys)
+        # softmax's max, exp and sum over each row
+        for i in range(block_rows):
+            for x in T.vectorized(softmax_width):
+                partial[x] = scores[i, keys_first(b0, kb) - kb * keys + x]
+            for c in range(keys_first(b0, kb) // softmax_width + 1, keys_end(b0, kb) // softmax_width):
+                for x in T.vectorized(softmax_width):
+                    partial[x] = T.max(partial[x], scores[i, c * softmax_width - kb * keys + x])
+            if single:
+                row_max[i] = across_lanes(partial, T.max)
+            else:
+                rescale[i] = exp_float32(row_max[i] - T.max(row_max[i], across_lanes(partial, T.max)))
+                row_max[i] = T.max(row_max[i], across_lanes(partial, T.max))
+            for x in T.vectorized(softmax_width):
+                partial[x] = T.float32(0)
+            for c in range(keys_first(b0, kb) // softmax_width, keys_end(b0, kb) // softmax_width):
+                for x in T.vectorized(softmax_width):
+                    scores[i, c * softmax_width - kb * keys + x] = exp_float32(scores[i, c * softmax_width - kb * keys + x] - row_max[i])
+                    partial[x] = partial[x] + scores[i, c * softmax_width - kb * keys + x]
+            if single:
+                totals[i] = across_lanes(partial, lambda a, b: a + b)
+            else:
+                totals[i] = totals[i] * rescale[i] + across_lanes(partial, lambda a, b: a + b)
+        # P V (over all keys: divided by the sums as stored; else added to the blocks' before)
+        for t in range(block_rows // ROWS):
+            for c in range(dim // out_width):
+                if single:
+                    zero(acc_top, out_width)
+                    zero(acc_bottom, out_width)
+                else:
+                    output_start(out, rescale, acc_top, t * ROWS, c)
+                    output_start(out, rescale, acc_bottom, t * ROWS + half, c)
+                for j in range(keys_first(b0, kb), keys_end(b0, kb)):
+                    output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j, kb * keys)
+                    output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j, kb * keys)
+                if last:
+                    output_store(y, totals, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
+                    output_store(y, totals, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
+                else:
+                    output_keep(out, acc_top, t * ROWS, c)
+                    output_keep(out, acc_bottom, t * ROWS + half, c)
 
     @T.prim_func(s_tir=True)
     def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
@@ -291,13 +386,15 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 for bh in T.parallel(batch * heads):
                     kt = T.alloc_buffer((dim, seq), "float32")
                     vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
-                    scores = T.alloc_buffer((block_rows, seq), "float32")
+                    scores = T.alloc_buffer((block_rows, keys), "float32")
                     totals = T.alloc_buffer((block_rows,), "float32")
+                    row_max = T.alloc_buffer((block_rows,), "float32")
+                    rescale = T.alloc_buffer((1,) if single else (block_rows,), "float32")
+                    out = T.alloc_buffer((1, 1) if single else (block_rows, dim), "float32")  # P V over the blocks of keys so far
                     acc_top = T.alloc_buffer((half, width), "float32")
                     acc_bottom = T.alloc_buffer((half, width), "float32")
                     partial = T.alloc_buffer((softmax_width,), "float32")
                     block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
-                    row_max = T.alloc_buffer((1,), "float32")
                     # this head's K transposed and V (unless read in place), contiguous (rows of the operands are far apart: cache sets)
                     if not v_in_place:
                         for j in range(seq):
@@ -313,45 +410,20 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                                 for x in T.vectorized(lanes):
                                     kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
                     for b0 in range(seq // block_rows):  # a block of query rows: its scores stay in cache
-                        # scores = Q K^T * scale + mask, a register tile at a time
-                        for t in range(block_rows // ROWS):
-                            for c in range(span.first(b0 * block_rows) // score_width, span.end(b0 * block_rows) // score_width):
-                                zero(acc_top, score_width)
-                                zero(acc_bottom, score_width)
-                                for n in T.unroll(per_tile):
-                                    T.evaluate(prefetch_next_head(q, q_offset, rows, bh, prefetched_line(b0, t, c, n)))
-                                    T.evaluate(prefetch_next_head(k, k_offset, rows, bh, prefetched_line(b0, t, c, n)))
-                                    T.evaluate(prefetch_next_head(v, v_offset, rows, bh, prefetched_line(b0, t, c, n)))
-                                for d0, e in T.grid(dim // lanes, lanes):
-                                    score_fma(q, kt, rows, acc_top, bh, b0 * block_rows + t * ROWS, c, d0, e)
-                                    score_fma(q, kt, rows, acc_bottom, bh, b0 * block_rows + t * ROWS + half, c, d0, e)
-                                score_store(mask, scores, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
-                                score_store(mask, scores, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
-                        # softmax's max, exp and sum over each row
-                        for i in range(block_rows):
-                            for x in T.vectorized(softmax_width):
-                                partial[x] = scores[i, span.first(b0 * block_rows) + x]
-                            for c in range(span.first(b0 * block_rows) // softmax_width + 1, span.end(b0 * block_rows) // softmax_width):
-                                for x in T.vectorized(softmax_width):
-                                    partial[x] = T.max(partial[x], scores[i, c * softmax_width + x])
-                            row_max[0] = across_lanes(partial, T.max)
-                            for x in T.vectorized(softmax_width):
-                                partial[x] = T.float32(0)
-                            for c in range(span.first(b0 * block_rows) // softmax_width, span.end(b0 * block_rows) // softmax_width):
-                                for x in T.vectorized(softmax_width):
-                                    scores[i, c * softmax_width + x] = exp_float32(scores[i, c * softmax_width + x] - row_max[0])
-                                    partial[x] = partial[x] + scores[i, c * softmax_width + x]
-                            totals[i] = across_lanes(partial, lambda a, b: a + b)
-                        # y = P V / sum
-                        for t in range(block_rows // ROWS):
-                            for c in range(dim // out_width):
-                                zero(acc_top, out_width)
-                                zero(acc_bottom, out_width)
-                                for j in range(span.first(b0 * block_rows), span.end(b0 * block_rows)):
-                                    output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j)
-                                    output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j)
-                                output_store(y, totals, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
-                                output_store(y, totals, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
+                        if single:
+                            key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                                           partial, bh, b0, 0, True)
+                        else:
+                            for i in range(block_rows):
+                                row_max[i] = lowest
+                                totals[i] = T.float32(0)
+                                for d in T.vectorized(dim):
+                                    out[i, d] = T.float32(0)
+                            for kb in range(span.first(b0 * block_rows) // keys, (span.end(b0 * block_rows) - 1) // keys):
+                                key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                                               partial, bh, b0, kb, False)
+                            key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                                           partial, bh, b0, (span.end(b0 * block_rows) - 1) // keys, True)
 
     assert isinstance(attention, tvm.tirx.PrimFunc)
     return attention
