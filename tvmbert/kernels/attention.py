@@ -204,7 +204,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     With ``window`` (ModernBERT's local layers), a score whose query and key are more than
     ``window`` positions apart is masked, and only the key blocks within the window of a block
     of query rows are computed (``key_span``): the work grows with the sequence, not its square.
-    Past KEY_BLOCK tokens, keys a block at a time with a running softmax (``key_block``)."""
+    Without one, past KEY_BLOCK tokens, keys a block at a time with a running softmax (``key_block``)."""
     import tvm
     from tvm.script import tirx as T
 
@@ -216,7 +216,9 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     width = max(score_width, out_width)
     softmax_width = softmax_vectors(seq, lanes) * lanes
     align = math.lcm(score_width, softmax_width)
-    keys = key_block(seq, align)  # a block of query rows' scores, softmax and P V a block of keys at a time
+    # A block of query rows' scores, softmax and P V a block of keys at a time; a window bounds a
+    # block's keys already (``key_span``: its rows and the window either side), so it takes them at once.
+    keys = key_block(seq, align) if window is None or window >= seq else seq
     single = keys >= seq  # one block of keys: no running max and sum, the output stored once
     block_rows = query_block(seq, keys)
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
