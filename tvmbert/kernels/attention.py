@@ -217,7 +217,9 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     softmax_width = softmax_vectors(seq, lanes) * lanes
     align = math.lcm(score_width, softmax_width)
     # A block of query rows' scores, softmax and P V a block of keys at a time; a window bounds a
-    # block's keys already (``key_span``: its rows and the window either side), so it takes them at once.
+    # block's keys already (``key_span``: its rows and the window either side), so it takes them at
+    # once (both together gave NaNs past one block of query rows at 1024 tokens: the scores buffer
+    # mis-sized, it seems, by TVM's buffer compaction, whose region bound divided by zero in a variant).
     keys = key_block(seq, align) if window is None or window >= seq else seq
     single = keys >= seq  # one block of keys: no running max and sum, the output stored once
     block_rows = query_block(seq, keys)
