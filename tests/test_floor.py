@@ -83,3 +83,14 @@ def test_a_shapes_floor_is_the_peak_or_the_weights_whichever_binds():
     assert huge_cache.shape_ms(bert, 1, 14) == (pytest.approx(gflop / 700.0 * 1e3), "fma")
     # ALBERT's layers share one set of weights: a call reads them once, not once a layer.
     assert models.sizes(models.resolve("albert-base")).matmul_weights == LAYER_WEIGHTS + POOLER_WEIGHTS
+
+
+def test_flops_count_each_layers_matmuls_and_the_keys_it_attends_to():
+    """bert-base: 4 H^2 + 2 H I multiply-adds a token a layer, and every key; ModernBERT-base: its
+    GeGLU's (4 H^2 + 3 H I), and in its 14 local layers of 22 the 129 keys of the window."""
+    bert = models.sizes(models.resolve("bert-base"))
+    assert bert.flops(2, 128) == 2 * 2 * 128 * 12 * (4 * 768 ** 2 + 2 * 768 * 3072 + 2 * 128 * 768)
+    modern = models.sizes(models.resolve("modernbert-base"))
+    assert modern.attention_keys.count(None) == 8 and set(modern.attention_keys) == {None, 129}
+    assert modern.flops(1, 8192) == 2 * 8192 * (22 * (4 * 768 ** 2 + 3 * 768 * 1152) + 2 * 768 * (8 * 8192 + 14 * 129))
+    assert modern.flops(1, 64) == 2 * 64 * (22 * (4 * 768 ** 2 + 3 * 768 * 1152) + 2 * 768 * 22 * 64)  # windows wider than the text

@@ -55,6 +55,15 @@ class Family:
     # Our kernels its graph does not take, each with why (build names them): those layers run the
     # graph path, compiled and tuned as any other TVM graph.
     kernels_not_applied: dict[str, str] = field(default_factory=dict)
+    # The keys each layer's queries attend to, from its config: None for every key, else a local
+    # window's width (what bench's FLOPs and floor count: a local layer computes no more).
+    attention_keys: Callable = lambda config: (None,) * config.num_hidden_layers
+
+
+def _modernbert_keys(config) -> tuple[int | None, ...]:
+    """Its ``full_attention`` layers see every key; its ``sliding_attention`` ones those within
+    ``local_attention // 2`` either side (transformers' window mask)."""
+    return tuple(None if kind == "full_attention" else config.local_attention // 2 * 2 + 1 for kind in config.layer_types)
 
 
 FAMILIES: dict[str, Family] = {
@@ -77,6 +86,7 @@ FAMILIES: dict[str, Family] = {
     # local_attention tokens) in two layers of three. No segment ids, no pooler.
     "modernbert": Family("ModernBertConfig", "ModernBert", inputs=("input_ids", "attention_mask"),
                          layers=lambda base: base.layers, position_tables="rotary", softmax_in_float32=True,
+                         attention_keys=_modernbert_keys,
                          not_packable="its local layers' window is not in the packed attention",
                          layer_not_alone="its layers take the rotary cos/sin and a per-layer-type mask as well"),
     # DeBERTa-v3's model_type. Disentangled attention: content-to-position and position-to-content

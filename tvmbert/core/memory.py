@@ -39,15 +39,20 @@ class ModelSizes:
     # The weight matmuls' distinct weights (Q, K, V, output, the FFN's two; ALBERT's layers share
     # one set): what a call reads at least once.
     matmul_weights: int
+    # Multiply-adds of a layer's weight matmuls per token (its Linear weights: 4 H^2 + 2 H I in
+    # BERT, 4 H^2 + 3 H I with ModernBERT's GeGLU).
+    layer_macs: int
+    # The keys each layer attends to: None for all of them, else a local window's width.
+    attention_keys: tuple[int | None, ...]
 
     def flops(self, batch: int, seq: int) -> float:
         """One call's floating-point operations (a multiply-add is two) in the encoder's layers:
-        per token the Q, K, V and output projections (4 H^2), the FFN (2 H I), and attention's
-        scores and P V (2 S H). What any engine must compute, however; embeddings, norms and
-        most heads add under 1%, a fill-mask head's vocabulary projection (2 H V a token) about
-        a quarter more at bert-base's sizes, which this leaves out."""
-        hidden = self.hidden
-        return 2.0 * self.layers * batch * seq * (4 * hidden * hidden + 2 * hidden * self.intermediate + 2 * seq * hidden)
+        per token the weight matmuls, and attention's scores and P V (2 H a key attended to).
+        What any engine must compute, however; embeddings, norms and most heads add under 1%,
+        a fill-mask head's vocabulary projection (2 H V a token) about a quarter more at
+        bert-base's sizes, which this leaves out."""
+        keys = sum(seq if window is None else min(window, seq) for window in self.attention_keys)
+        return 2.0 * batch * seq * (self.layers * self.layer_macs + 2 * self.hidden * keys)
 
 
 @dataclass(frozen=True)

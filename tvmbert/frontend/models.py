@@ -225,8 +225,9 @@ def sizes(source: ModelSource) -> ModelSizes:
     matmul_shapes |= {tuple(m.weight.shape) for m in first_layer.modules() if isinstance(m, torch.nn.Linear)}
     matmul_weights = {id(m.weight): m.weight.numel() for m in model.modules()
                       if isinstance(m, torch.nn.Linear) and tuple(m.weight.shape) in matmul_shapes}
+    layer_macs = sum(m.weight.numel() for m in first_layer.modules() if isinstance(m, torch.nn.Linear))
     return ModelSizes(sum(p.numel() for p in model.parameters()), config.hidden_size, intermediate, config.num_attention_heads,
-                      layers, sum(matmul_weights.values()))
+                      layers, sum(matmul_weights.values()), layer_macs, FAMILIES[source.family].attention_keys(config))
 
 
 def model_class(source: ModelSource):
