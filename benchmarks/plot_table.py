@@ -2,14 +2,19 @@
 the plot beside a table shows exactly its medians (the runs themselves are not kept).
 
     python benchmarks/plot_table.py docs/benchmarks.md "Zen 3 (AVX2)" docs/img/bert-base-fp32-zen3.png
+    python benchmarks/plot_table.py --json a.json b.json ... out.png
+
 
 The table is the first one under the heading named; its rows are shapes ("1 x 14") and its columns
 engines (a header's first word, as in `tvm int8` or `onnxruntime fp32`). The plot is titled with
-the heading (the CPU), 2 threads (every table's), and the dtype its `## ` section names.
+the heading (the CPU), 2 threads (every table's), and the dtype its `## ` section names. With
+``--json``, the shapes of several `tvmbert bench --json` reports of one model (runs one length
+at a time, as long contexts take) in one plot.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -50,10 +55,22 @@ def report_of(cpu: str, dtype: str, table: list[list[str]]) -> dict:
     return {"model": "bert-base", "dtype": dtype, "environment": {"cpu": cpu, "threads": 2}, "results": results}
 
 
-def main(document: str, heading: str, out: str) -> None:
+def merged(paths: list[str]) -> dict:
+    """The first report with every report's shapes, in order of sequence length."""
+    reports = [json.loads(Path(path).read_text()) for path in paths]
+    results = sorted((result for report in reports for result in report["results"]), key=lambda r: (r["batch"], r["seq_len"]))
+    return {**reports[0], "results": results}
+
+
+def main(arguments: list[str]) -> None:
+    if arguments[0] == "--json":
+        *paths, out = arguments[1:]
+        Path(out).write_bytes(plot(merged(paths)))
+        return
+    document, heading, out = arguments
     dtype, table = read_table(Path(document).read_text(), heading)
     Path(out).write_bytes(plot(report_of(heading, dtype, table)))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])
