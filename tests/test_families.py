@@ -261,6 +261,17 @@ def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert,
     assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
+def test_debertas_position_scores_compute_only_the_relative_positions_the_text_reaches(tvmbert, workdir):
+    """4 tokens reach relative positions -3 to 3: 7 of the tiny preset's 16 position columns
+    (8 buckets either side), which the c2p and p2c matmuls compute alone (gather-columns), in
+    fp32 and fp64 within verify's bars."""
+    for dtype in ("float32", "float64"):
+        verified = tvmbert("verify", "deberta-v3-tiny", "--batch", "2", "--seq-len", "4", "--dtype", dtype, "--json")
+        assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)
+        optimized = (workdir / "deberta-v3-tiny" / f"b2-s4-{dtype}" / "optimize" / "module.py").read_text()
+        assert optimized.count(f'R.Tensor((4, 4, 7), dtype="{dtype}")') >= 4 and "R.Tensor((4, 4, 16)" not in optimized
+
+
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_modernberts_bias_free_matmuls_run_in_int8(tvmbert, tmp_path):
     """Its linear layers have no bias: the int8 kernels take bare matmuls too (a zero bias), or an

@@ -68,6 +68,12 @@ def _combine_qkv(_context):
     return [combine_parallel_matmuls()]
 
 
+def _gather_columns(_context):
+    from tvmbert.passes.gather_columns import gathered_columns
+
+    return [gathered_columns()]
+
+
 def _unflatten_bmm(_context):
     from tvmbert.passes.unflatten_bmm import unflatten_batched_matmuls
 
@@ -142,6 +148,9 @@ def _legalize(_context):
 PASSES = (
     GraphPass("fold-constants", lambda c: [_relax().FoldConstant()]),
     GraphPass("cse", lambda c: [_relax().EliminateCommonSubexpr()]),
+    # A matmul only gathered from at constant columns computes those alone (DeBERTa's position
+    # scores: at 128 tokens 255 of 512 relative positions).
+    GraphPass("gather-columns", _gather_columns),
     # Q, K and V projections (same input) become one matmul + split; biases too.
     GraphPass("combine-qkv", _combine_qkv),
     # Attention's two matmuls on 4-D tensors, where the exporter flattened them to 3-D between
