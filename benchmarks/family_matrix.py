@@ -30,6 +30,11 @@ def config_for(family: str, task: str) -> dict:
         config["embedding_size"] = 16
     if family in ("roberta", "xlm-roberta", "camembert"):
         config.update(max_position_embeddings=42, pad_token_id=1)  # positions start after the pad id
+    if family == "deberta-v2":  # as microsoft/deberta-v3-* set it: disentangled attention over 2 x 16 buckets
+        config.update(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=-1,
+                      share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0)
+    if family == "modernbert":  # a global layer and a local one whose window (8 tokens) the example exceeds
+        config.update(local_attention=8, pad_token_id=0)
     config["num_labels"] = 2 if task == "question-answering" else 3
     return config
 
