@@ -17,6 +17,13 @@ def dataflow(function) -> tuple[list, dict, dict]:
     return bindings, {b.var: b.value for b in bindings}, uses
 
 
+def is_call(expr, op_name: str) -> bool:
+    """Whether ``expr`` is a call of the Relax operator named ``op_name`` (``relax.matmul``)."""
+    from tvm import relax
+
+    return isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == op_name
+
+
 def static_shape(expr) -> tuple[int, ...] | None:
     """The shape of a tensor-typed expression when every size is a constant, else None."""
     import tvm

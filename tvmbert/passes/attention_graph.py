@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
 MASKED = -3.4028234663852886e38  # float32's minimum: what the graphs' masks put in a masked score
 
 

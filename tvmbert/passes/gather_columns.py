@@ -15,10 +15,8 @@ def gathered_columns():
     import tvm
     from tvm import relax
 
-    from tvmbert.ir.dataflow import dataflow, static_shape
-
-    def is_op(expr, name):
-        return isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == name
+    from tvmbert.ir.dataflow import dataflow, is_call, static_shape
+    from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -31,12 +29,12 @@ def gathered_columns():
 
         def visit_call_(self, call):
             call = super().visit_call_(call)
-            if not (is_op(call, "relax.gather_elements") and isinstance(call.args[1], tvm.ir.expr.Constant)
+            if not (is_call(call, "relax.gather_elements") and isinstance(call.args[1], tvm.ir.expr.Constant)
                     and isinstance(call.args[0], relax.Var) and self.uses.get(call.args[0], 0) == 1):
                 return call
             product = self.lookup_binding(call.args[0])
             shape = static_shape(call.args[0])
-            if not is_op(product, "relax.matmul") or shape is None or int(call.attrs.axis) % len(shape) != len(shape) - 1:
+            if not is_call(product, "relax.matmul") or shape is None or int(call.attrs.axis) % len(shape) != len(shape) - 1:
                 return call
             index = call.args[1].value.numpy()
             first, last = int(index.min()), int(index.max())
@@ -50,13 +48,4 @@ def gathered_columns():
             narrow = self.builder_.emit(relax.op.matmul(left, self.builder_.emit(columns), out_dtype=product.attrs.out_dtype))
             return relax.op.gather_elements(narrow, relax.const(index - np.asarray(first, index.dtype)), axis=call.attrs.axis)
 
-    @tvm.transform.module_pass(opt_level=0, name="GatheredColumns")
-    def transform(module, _context):
-        rewriter = Rewriter(module)
-        for global_var, function in module.functions_items():
-            if isinstance(function, relax.Function):
-                rewriter.start(function)
-                rewriter.builder_.update_func(global_var, relax.analysis.remove_all_unused(rewriter.visit_expr(function)))
-        return rewriter.builder_.get()
-
-    return transform
+    return function_pass("GatheredColumns", Rewriter)

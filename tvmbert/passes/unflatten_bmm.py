@@ -13,10 +13,7 @@ def unflatten_batched_matmuls():
     import tvm
     from tvm import relax
 
-    from tvmbert.ir.dataflow import static_shape
-
-    def is_op(expr, name):
-        return isinstance(expr, relax.Call) and getattr(expr.op, "name", None) == name
+    from tvmbert.ir.dataflow import is_call, static_shape
 
     @relax.expr_functor.mutator
     class Rewriter(relax.PyExprMutator):
@@ -27,11 +24,11 @@ def unflatten_batched_matmuls():
             """x where ``flat`` is reshape(x [b, h, m, k]) to [b * h, m, k] (x possibly broadcast
             to its own shape first), else None."""
             reshape = self.bound(flat)
-            if not is_op(reshape, "relax.reshape"):
+            if not is_call(reshape, "relax.reshape"):
                 return None
             source = reshape.args[0]
             broadcast = self.bound(source)
-            if is_op(broadcast, "relax.broadcast_to") and static_shape(broadcast.args[0]) == static_shape(source):
+            if is_call(broadcast, "relax.broadcast_to") and static_shape(broadcast.args[0]) == static_shape(source):
                 source = broadcast.args[0]
             shape, flat_shape = static_shape(source), static_shape(flat)
             if shape is None or flat_shape is None or len(shape) != 4 or (shape[0] * shape[1], *shape[2:]) != flat_shape:
@@ -40,8 +37,8 @@ def unflatten_batched_matmuls():
 
         def visit_call_(self, call):
             call = super().visit_call_(call)
-            product = self.bound(call.args[0]) if is_op(call, "relax.reshape") else None
-            if not is_op(product, "relax.matmul"):
+            product = self.bound(call.args[0]) if is_call(call, "relax.reshape") else None
+            if not is_call(product, "relax.matmul"):
                 return call
             sources = [self.four_d(arg) for arg in product.args]
             if any(source is None for source in sources):
