@@ -24,14 +24,16 @@ SHAPES = ((2304, 768, None, "float32", False), (768, 768, None, "float32", True)
 LAYERS = 12
 
 
-def kernels_at(revision: str, folder: Path):
-    """``kernels/amx.py`` as it was at ``revision``, imported as a module of its own."""
-    source = subprocess.run(["git", "show", f"{revision}:tvmbert/kernels/amx.py"], check=True, capture_output=True, text=True,
+def module_at(revision: str, path: str, folder: Path):
+    """The module at ``path`` (``tvmbert/kernels/amx.py``) as it was at git ``revision``, imported
+    as a module of its own (also by ``attention_kernel.py``)."""
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], check=True, capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent.parent).stdout
-    path = folder / f"amx_{revision.replace('~', '_').replace('/', '_')}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    file = folder / f"{Path(path).stem}_{revision.replace('~', '_').replace('/', '_')}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[file.stem] = module  # a dataclass looks its module up as it is made
     spec.loader.exec_module(module)
     return module
 
@@ -83,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         versions = {"current": amx}
         if args.baseline:
-            versions[args.baseline] = kernels_at(args.baseline, Path(folder))
+            versions[args.baseline] = module_at(args.baseline, "tvmbert/kernels/amx.py", Path(folder))
         for dtype in args.dtype.split(","):
             for m in (int(r) for r in args.rows.split(",")):
                 calls, data = {}, {}

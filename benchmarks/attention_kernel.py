@@ -11,25 +11,12 @@ machine's load falls on both: the medians of each, and their ratio.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def kernels_at(revision: str, folder: Path):
-    """``kernels/attention.py`` as it was at ``revision``, imported as a module of its own."""
-    source = subprocess.run(["git", "show", f"{revision}:tvmbert/kernels/attention.py"], check=True, capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    path = folder / f"attention_{revision.replace('~', '_').replace('/', '_')}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from amx_kernels import module_at
 
 
 def main() -> None:
@@ -63,7 +50,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         versions = {"current": attention}
         if args.baseline:
-            versions[args.baseline] = kernels_at(args.baseline, Path(folder))
+            versions[args.baseline] = module_at(args.baseline, "tvmbert/kernels/attention.py", Path(folder))
         for seq in (int(s) for s in args.seq_len.split(",")):
             columns = tvm.runtime.tensor(rng.standard_normal((seq, 3 * width), dtype=np.float32))
             mask = np.zeros((1, 1, 1, seq), "float32")

@@ -105,14 +105,12 @@ def test_keys_a_block_at_a_time_keep_a_running_softmax(monkeypatch, lanes, seq):
     the blocks before it (flash attention's online softmax): rows whose first two blocks are all
     masked, rows whose later blocks all are, a last block shorter than the rest, several blocks of
     query rows (scores within 4 KiB), against float64."""
-    import math
-
     import tvm
 
     monkeypatch.setattr(attention, "KEY_BLOCK", 32)
     monkeypatch.setattr(attention, "SCORES_BYTES", 4096)
     batch, heads, dim = 2, 2, 16
-    align = math.lcm(attention.vectors_per_tile(seq // lanes, lanes) * lanes, attention.softmax_vectors(seq, lanes) * lanes)
+    align = attention.key_alignment(seq, lanes)
     assert attention.key_block(seq, align) < seq and attention.query_block(seq, attention.key_block(seq, align)) < seq
     rng = np.random.default_rng(2)
     columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)

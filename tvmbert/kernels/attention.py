@@ -174,6 +174,12 @@ def softmax_vectors(seq: int, lanes: int) -> int:
     return next(v for v in (SOFTMAX_VECTORS, 2, 1) if seq % (v * lanes) == 0)
 
 
+def key_alignment(seq: int, lanes: int) -> int:
+    """The width, in keys, that a block of keys starts and ends on: whole score tiles and whole
+    softmax steps."""
+    return math.lcm(vectors_per_tile(seq // lanes, lanes) * lanes, softmax_vectors(seq, lanes) * lanes)
+
+
 def key_block(seq: int, align: int) -> int:
     """Keys done at a time: all of them up to KEY_BLOCK, else KEY_BLOCK's whole ``align``-wide
     blocks (the last block of a head may be shorter)."""
@@ -215,7 +221,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     width = max(score_width, out_width)
     softmax_width = softmax_vectors(seq, lanes) * lanes
-    align = math.lcm(score_width, softmax_width)
+    align = key_alignment(seq, lanes)
     # A block of query rows' scores, softmax and P V a block of keys at a time; a window bounds a
     # block's keys already (``key_span``: its rows and the window either side), so it takes them at
     # once (both together gave NaNs past one block of query rows at 1024 tokens: the scores buffer
