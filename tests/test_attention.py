@@ -129,6 +129,79 @@ def test_keys_a_block_at_a_time_keep_a_running_softmax(monkeypatch, lanes, seq):
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("seq, terms", [(32, "c2p,p2c"), (96, "c2p,p2c"), (32, "c2p"), (32, "p2c")])
+def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypatch, seq, terms):
+    """Query i's score of key j gains c2p[i, query_table[i - j + S - 1]] / c and p2c[j,
+    key_table[j - i + S - 1]] / c (the tables of different columns, so that a term read with
+    the other's table, or transposed, fails), with either term alone, and at 96 tokens over
+    blocks of keys and of query rows (KEY_BLOCK 32, scores within 4 KiB), against float64."""
+    import tvm
+
+    monkeypatch.setattr(attention, "KEY_BLOCK", 32)
+    monkeypatch.setattr(attention, "SCORES_BYTES", 4096)
+    batch, heads, dim, width = 2, 2, 16, 11
+    rng = np.random.default_rng(4)
+    columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    mask = np.where(rng.random((batch, 1, seq, seq)) < 0.2, MASKED, 0).astype(np.float32)
+    mask[:, :, np.arange(seq), np.arange(seq)] = 0
+    products = [rng.standard_normal((batch * heads, seq, width), dtype=np.float32) for _ in range(2)]
+    tables = [rng.integers(0, width, 2 * seq - 1) for _ in range(2)]
+    factor = 1 / np.sqrt(3 * dim)
+    c2p, p2c = ("c2p" in terms, "p2c" in terms)
+    positions = attention.Positions(factor if c2p else None, factor if p2c else None, width, width)
+    function = attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, mask.shape, factor, positions=positions)
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    unread = np.zeros(1, "float32")
+    operands = (columns, columns, columns, mask, np.zeros(1, "int32"), products[0] if c2p else unread, products[1] if p2c else unread,
+                attention.Positions.index(*tables))
+    library["main"](*(tvm.runtime.tensor(a) for a in operands), y)
+    i, j = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
+    scores = np.zeros((batch * heads, seq, seq))
+    if c2p:
+        scores += products[0].astype(np.float64)[:, i, tables[0][i - j + seq - 1]] * factor
+    if p2c:
+        scores += products[1].astype(np.float64)[:, j, tables[1][j - i + seq - 1]] * factor
+    bias = mask + scores.reshape(batch, heads, seq, seq)
+    q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
+    np.testing.assert_allclose(y.numpy(), _reference(q, k, v, bias, factor).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.amx
+def test_the_amx_kernel_gathers_debertas_position_scores_as_a_mask_would_add_them():
+    """The AMX kernel (int8 builds) with the position scores gathered, against itself with them
+    added to the mask in numpy: the same up to fp32 rounding, which the probabilities' bf16 can
+    turn into a step of 2^-8 of one of them."""
+    import tvm
+
+    batch, heads, seq, dim, width = 2, 2, 64, 32, 13
+    rng = np.random.default_rng(6)
+    columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    mask = np.where(rng.random((batch, 1, seq, seq)) < 0.2, MASKED, 0).astype(np.float32)
+    mask[:, :, np.arange(seq), np.arange(seq)] = 0
+    products = [rng.standard_normal((batch * heads, seq, width), dtype=np.float32) for _ in range(2)]
+    tables = [rng.integers(0, width, 2 * seq - 1) for _ in range(2)]
+    factor = 1 / np.sqrt(3 * dim)
+    i, j = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
+    bias = (products[0][:, i, tables[0][i - j + seq - 1]] * np.float32(factor)
+            + products[1][:, j, tables[1][j - i + seq - 1]] * np.float32(factor)).reshape(batch, heads, seq, seq)
+    results = []
+    for positions, operands in ((attention.Positions(factor, factor, width, width),
+                                 (mask, np.zeros(1, "int32"), *products, attention.Positions.index(*tables))),
+                                (None, (mask + bias, np.zeros(1, "int32")))):
+        shape = operands[0].shape
+        function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, shape, factor, positions=positions)
+        library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+        y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+        library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, *operands)), y)
+        results.append(y.numpy())
+    np.testing.assert_allclose(results[0], results[1], atol=2e-2)
+    assert np.mean(np.abs(results[0] - results[1]) > 1e-5) < 0.01
+
+
+@pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
     """The register tiles' accumulators and the softmax's partials on the stack, in registers (a

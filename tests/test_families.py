@@ -11,7 +11,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEBERTA_V3, FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
-from helpers import HOST_LANES, WITHOUT_KERNELS, assert_one_line_error
+from helpers import HOST_AMX, HOST_LANES, WITHOUT_KERNELS, assert_one_line_error
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -250,15 +250,24 @@ def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmber
 
 
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
-def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert, tmp_path):
+def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert, workdir, tmp_path):
     """Its flat [batch x heads, seq, seq] scores, the c2p and p2c terms added and the mask applied
-    by ``where``: one kernel call a layer, the terms and the mask read as its one additive mask."""
-    args = ("deberta-v3-tiny", "--batch", "2", "--seq-len", "32", "--log-dir", str(tmp_path))
+    by ``where``: one kernel call a layer, which gathers the terms from their two products as it
+    scores; no [batch x heads, seq, seq] tensor is made, and the mask is one [batch, 1, seq, seq]
+    for every layer. In int8 on AMX the AMX kernel gathers them too."""
+    args = ("deberta-v3-tiny", "--batch", "2", "--seq-len", "64", "--log-dir", str(tmp_path))
     built = tvmbert("build", *args, "--json")
     assert built.code == 0, built.stderr
-    assert built.json["attention_kernels"] == ["attention_2x2x32x32_masked"], built.json
-    verified = tvmbert("verify", *args, "--samples", "4", "--json")
-    assert verified.code == 0 and verified.json["passed"], verified.stderr
+    assert built.json["attention_kernels"] == ["attention_2x2x64x32_masked_positions"], built.json
+    optimized = (workdir / "deberta-v3-tiny" / "b2-s64-float32" / "optimize" / "module.py").read_text()
+    assert "R.Tensor((4, 64, 64)" not in optimized and "R.Tensor((2, 2, 64, 64)" not in optimized
+    assert optimized.count('out_ty=R.Tensor((2, 1, 64, 64), dtype="float32")') == 1
+    for dtype in ("float32", "int8"):
+        verified = tvmbert("verify", *args, "--dtype", dtype, "--samples", "4", "--json")
+        assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)
+    if HOST_AMX:  # int8's attention on AMX-BF16
+        optimized = (workdir / "deberta-v3-tiny" / "b2-s64-int8" / "optimize" / "module.py").read_text()
+        assert "attention_2x2x64x32_masked_positions_amx" in optimized and "R.Tensor((4, 64, 64)" not in optimized
 
 
 def test_debertas_position_scores_compute_only_the_relative_positions_the_text_reaches(tvmbert, workdir):

@@ -167,6 +167,46 @@ def window_mask(window: int | None):
     return lambda i, j, score: T.Select(T.abs(i - j) <= window, score, T.float32(-3.4028234663852886e38))
 
 
+@dataclass(frozen=True)
+class Positions:
+    """DeBERTa's position scores, which the kernels add to each score where the graph adds a
+    [batch x heads, seq, seq] tensor of them gathered from two products (its c2p and p2c): query
+    i's score of key j gains ``by_query[bh, i, query_table[i - j + S - 1]] * query_factor`` and
+    ``by_key[bh, j, key_table[j - i + S - 1]] * key_factor``, the tables each relative
+    position's column in its product. The kernel reads both tables as ``index`` (``index``
+    below): a row each, in key order. A term the model lacks has factor None (its operand one
+    unread float)."""
+
+    query_factor: float | None
+    key_factor: float | None
+    query_columns: int = 1
+    key_columns: int = 1
+
+    def shapes(self, batch: int, heads: int, seq: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
+        """The by_query, by_key and index operands' shapes."""
+        return ((batch * heads, seq, self.query_columns) if self.query_factor is not None else (1,),
+                (batch * heads, seq, self.key_columns) if self.key_factor is not None else (1,), (2, 2 * seq - 1))
+
+    @staticmethod
+    def index(query_table, key_table):
+        """The kernel's [2, 2 S - 1] int32 ``index``: row u holds the columns of query i and key
+        j = i + u - (S - 1), so that a vector of keys reads consecutive entries."""
+        import numpy as np
+
+        return np.stack([np.asarray(query_table)[::-1], np.asarray(key_table)]).astype("int32")
+
+    def score(self, seq: int, by_query, by_key, index, bh, i, j):
+        """TIR: what query i's score of key j gains (gathers: the columns vary along j)."""
+        from tvm.script import tirx as T
+
+        terms = []
+        if self.query_factor is not None:
+            terms.append(by_query[bh, i, index[0, seq - 1 - i + j]] * T.float32(self.query_factor))
+        if self.key_factor is not None:
+            terms.append(by_key[bh, j, index[1, seq - 1 - i + j]] * T.float32(self.key_factor))
+        return terms[0] + terms[1] if len(terms) == 2 else terms[0]
+
+
 def softmax_vectors(seq: int, lanes: int) -> int:
     """Vectors of a score row the softmax takes at a time: its exp is a chain of ~25 dependent
     instructions, which the CPU overlaps only across the vectors of one loop step (one vector a
@@ -197,8 +237,51 @@ def fits(seq: int, dim: int, lanes: int) -> bool:
     return lanes > 0 and seq % lanes == 0 and dim % lanes == 0
 
 
+def _attention_function(grid: _Grid, positions: Positions | None, attributes: dict, name: str, every_head):
+    """A kernel's PrimFunc: its operands (``kernel``'s, and with ``positions`` the three that
+    DeBERTa's position scores read, before ``y``) around one block of ``every_head``, a macro of
+    its loops over them."""
+    import tvm
+    from tvm.script import tirx as T
+
+    batch, heads, seq, dim = grid.batch, grid.heads, grid.seq, grid.dim
+    (q_columns, _), (k_columns, _), (v_columns, _) = grid.sources
+    mask_shape = grid.mask_shape
+    attributes = {"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8, **attributes}
+    if positions is None:
+        @T.prim_func(s_tir=True)
+        def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
+                      v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+                      rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
+            T.func_attr(attributes)
+            with T.sblock("root"):
+                with T.sblock(name):
+                    T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows))
+                    T.writes(whole(y))
+                    every_head(q, k, v, mask, rows, rows, rows, rows, y)  # no position operands: nothing reads them
+    else:
+        query_shape, key_shape, index_shape = positions.shapes(batch, heads, seq)
+
+        @T.prim_func(s_tir=True)
+        def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
+                      v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
+                      rows: T.Buffer(grid.rows_shape, grid.rows_dtype), by_query: T.Buffer(query_shape, "float32"),
+                      by_key: T.Buffer(key_shape, "float32"), index: T.Buffer(index_shape, "int32"),
+                      y: T.Buffer((batch, seq, heads, dim), "float32")):
+            T.func_attr(attributes)
+            with T.sblock("root"):
+                with T.sblock(name):
+                    T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows), whole(by_query), whole(by_key), whole(index))
+                    T.writes(whole(y))
+                    every_head(q, k, v, mask, rows, by_query, by_key, index, y)
+
+    assert isinstance(attention, tvm.tirx.PrimFunc)
+    return attention
+
+
 def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
-           scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None):
+           scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None,
+           positions: Positions | None = None):
     """The PrimFunc ``y[b, s, h, :] = softmax(q_h[s] K_h^T * scale + mask) V_h`` for every
     sequence b and head h, where ``sources`` gives, for Q, K and V in turn, ``(columns, offset)``:
     each is read from a ``[batch * seq, columns]`` operand, head h's ``dim`` columns starting at
@@ -210,11 +293,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     With ``window`` (ModernBERT's local layers), a score whose query and key are more than
     ``window`` positions apart is masked, and only the key blocks within the window of a block
     of query rows are computed (``key_span``): the work grows with the sequence, not its square.
-    Without one, past KEY_BLOCK tokens, keys a block at a time with a running softmax (``key_block``)."""
-    import tvm
+    Without one, past KEY_BLOCK tokens, keys a block at a time with a running softmax (``key_block``).
+    With ``positions`` (DeBERTa), each score gains its position scores (``Positions``), read from
+    three more operands after ``rows``: by_query, by_key and index."""
     from tvm.script import tirx as T
 
     assert fits(seq, dim, lanes), (seq, dim, lanes)
+    assert positions is None or window is None, "DeBERTa has no window"
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
     (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = grid.sources
     score_width = vectors_per_tile(seq // lanes, lanes) * lanes
@@ -284,6 +369,9 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 acc[i, x] = acc[i, x] + grid.head_row(q, rows, 0, bh, first + i, d0, e) \
                     * kt[d0 * lanes + e, c * score_width + x]
 
+    def scaled(product, written):  # a score tile's product scaled, plus the position scores written in its place first
+        return product * scale_by + written if positions is not None else product * scale_by
+
     # ``local`` is a row of the block's scores, ``first`` the same row of the sequence; ``base``
     # the key at the block's first column.
     @T.macro
@@ -291,10 +379,21 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         for i in T.unroll(half):
             for x in T.vectorized(score_width):
                 if masked:
-                    scores[local + i, c * score_width - base + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by + mask_at(
-                        mask, bh // heads, bh % heads, first + i, c * score_width + x))
+                    scores[local + i, c * score_width - base + x] = windowed(
+                        first + i, c * score_width + x, scaled(acc[i, x], scores[local + i, c * score_width - base + x]) + mask_at(
+                            mask, bh // heads, bh % heads, first + i, c * score_width + x))
                 else:
-                    scores[local + i, c * score_width - base + x] = windowed(first + i, c * score_width + x, acc[i, x] * scale_by)
+                    scores[local + i, c * score_width - base + x] = windowed(
+                        first + i, c * score_width + x, scaled(acc[i, x], scores[local + i, c * score_width - base + x]))
+
+    @T.macro
+    def position_scores(by_query, by_key, index, scores, bh, b0, kb):
+        """The block's position scores, where its score tiles add theirs: gathers, a vector of keys at a time."""
+        for i in range(block_rows):
+            for c in range(keys_first(b0, kb) // lanes, keys_end(b0, kb) // lanes):
+                for x in T.vectorized(lanes):
+                    scores[i, c * lanes - kb * keys + x] = positions.score(seq, by_query, by_key, index, bh, b0 * block_rows + i,
+                                                                           c * lanes + x)
 
     @T.macro
     def output_start(out, rescale, acc, local, c):  # what the blocks of keys before this one summed, rescaled
@@ -325,11 +424,14 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 out[local + i, c * out_width + x] = acc[i, x]
 
     @T.macro
-    def key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom, partial, bh, b0, kb, last):
+    def key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                       partial, bh, b0, kb, last):
         """Query block b0 over key block kb: its scores, their softmax (with the running max and
         sum of the blocks before unless ``single``) and P V, added to ``out`` or, ``last``, the
         output divided by the row sums."""
-        # scores = Q K^T * scale + mask, a register tile at a time
+        # scores = Q K^T * scale + mask [+ position scores], a register tile at a time
+        if positions is not None:
+            position_scores(by_query, by_key, index, scores, bh, b0, kb)
         for t in range(block_rows // ROWS):
             for c in range(keys_first(b0, kb) // score_width, keys_end(b0, kb) // score_width):
                 zero(acc_top, score_width)
@@ -384,59 +486,51 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     output_keep(out, acc_top, t * ROWS, c)
                     output_keep(out, acc_bottom, t * ROWS + half, c)
 
-    @T.prim_func(s_tir=True)
-    def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
-                  v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
-                  rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
-        with T.sblock("root"):
-            with T.sblock("attention_tiles"):
-                T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows))
-                T.writes(whole(y))
-                for bh in T.parallel(batch * heads):
-                    kt = T.alloc_buffer((dim, seq), "float32")
-                    vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
-                    scores = T.alloc_buffer((block_rows, keys), "float32")
-                    totals = T.alloc_buffer((block_rows,), "float32")
-                    row_max = T.alloc_buffer((block_rows,), "float32")
-                    rescale = T.alloc_buffer((1,) if single else (block_rows,), "float32")
-                    out = T.alloc_buffer((1, 1) if single else (block_rows, dim), "float32")  # P V over the blocks of keys so far
-                    acc_top = T.alloc_buffer((half, width), "float32")
-                    acc_bottom = T.alloc_buffer((half, width), "float32")
-                    partial = T.alloc_buffer((softmax_width,), "float32")
-                    block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
-                    # this head's K transposed and V (unless read in place), contiguous (rows of the operands are far apart: cache sets)
-                    if not v_in_place:
-                        for j in range(seq):
-                            for d0 in range(dim // lanes):
-                                for x in T.vectorized(lanes):
-                                    vh[j, d0 * lanes + x] = grid.head_row(v, rows, 2, bh, j, d0, x)
-                    for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
-                        for d0 in range(dim // lanes):
-                            for r in T.unroll(lanes):
-                                for x in T.vectorized(lanes):
-                                    block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
-                            for c in T.unroll(lanes):
-                                for x in T.vectorized(lanes):
-                                    kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
-                    for b0 in range(seq // block_rows):  # a block of query rows: its scores stay in cache
-                        if single:
-                            key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                                           partial, bh, b0, 0, True)
-                        else:
-                            for i in range(block_rows):
-                                row_max[i] = lowest
-                                totals[i] = T.float32(0)
-                                for d in T.vectorized(dim):
-                                    out[i, d] = T.float32(0)
-                            for kb in range(span.first(b0 * block_rows) // keys, (span.end(b0 * block_rows) - 1) // keys):
-                                key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                                               partial, bh, b0, kb, False)
-                            key_block_step(q, k, v, mask, rows, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                                           partial, bh, b0, (span.end(b0 * block_rows) - 1) // keys, True)
+    @T.macro
+    def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
+        for bh in T.parallel(batch * heads):
+            kt = T.alloc_buffer((dim, seq), "float32")
+            vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
+            scores = T.alloc_buffer((block_rows, keys), "float32")
+            totals = T.alloc_buffer((block_rows,), "float32")
+            row_max = T.alloc_buffer((block_rows,), "float32")
+            rescale = T.alloc_buffer((1,) if single else (block_rows,), "float32")
+            out = T.alloc_buffer((1, 1) if single else (block_rows, dim), "float32")  # P V over the blocks of keys so far
+            acc_top = T.alloc_buffer((half, width), "float32")
+            acc_bottom = T.alloc_buffer((half, width), "float32")
+            partial = T.alloc_buffer((softmax_width,), "float32")
+            block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
+            # this head's K transposed and V (unless read in place), contiguous (rows of the operands are far apart: cache sets)
+            if not v_in_place:
+                for j in range(seq):
+                    for d0 in range(dim // lanes):
+                        for x in T.vectorized(lanes):
+                            vh[j, d0 * lanes + x] = grid.head_row(v, rows, 2, bh, j, d0, x)
+            for j0 in range(seq // lanes):  # in lanes x lanes blocks through registers
+                for d0 in range(dim // lanes):
+                    for r in T.unroll(lanes):
+                        for x in T.vectorized(lanes):
+                            block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
+                    for c in T.unroll(lanes):
+                        for x in T.vectorized(lanes):
+                            kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
+            for b0 in range(seq // block_rows):  # a block of query rows: its scores stay in cache
+                if single:
+                    key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                                   partial, bh, b0, 0, True)
+                else:
+                    for i in range(block_rows):
+                        row_max[i] = lowest
+                        totals[i] = T.float32(0)
+                        for d in T.vectorized(dim):
+                            out[i, d] = T.float32(0)
+                    for kb in range(span.first(b0 * block_rows) // keys, (span.end(b0 * block_rows) - 1) // keys):
+                        key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                                       partial, bh, b0, kb, False)
+                    key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
+                                   partial, bh, b0, (span.end(b0 * block_rows) - 1) // keys, True)
 
-    assert isinstance(attention, tvm.tirx.PrimFunc)
-    return attention
+    return _attention_function(grid, positions, {KERNEL_ATTR: True}, "attention_tiles", every_head)
 
 
 def amx_bf16_fits(seq: int, dim: int, lanes: int) -> bool:
@@ -462,8 +556,9 @@ def _bf16_rest(value):
 
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
-                    scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None):
-    """``kernel``'s attention (same operands and output) with its two matmuls on AMX-BF16
+                    scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None,
+                    positions: Positions | None = None):
+    """``kernel``'s attention (same operands and output, DeBERTa's position scores too) with its two matmuls on AMX-BF16
     (``tdpbf16ps``, fp32 sums), for the int8 build on AMX, where the fp32 kernel took a quarter of
     bert-base's time at 8 x 128 (docs/benchmarks.md, int8 on Sapphire Rapids).
 
@@ -483,10 +578,10 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     32 query rows at a time, as the fp32 kernel's blocks do: a whole head's scores and
     probabilities (1.5 MiB at 512 tokens) beside K's and V's pairs outgrew a core's 2 MiB L2.
     With ``window``, as ``kernel``: only the key blocks within it."""
-    import tvm
     from tvm.script import tirx as T
 
     assert amx_bf16_fits(seq, dim, lanes), (seq, dim, lanes)
+    assert positions is None or window is None, "DeBERTa has no window"
     span = key_span(seq, TILE, window, TILE)
     windowed = window_mask(window)
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
@@ -497,6 +592,11 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, lanes, combine)
+
+    def scaled(score, by_query, by_key, index, bh, i, j):  # query i's score of key j scaled, plus its position scores
+        if positions is None:
+            return score * scale_by
+        return score * scale_by + positions.score(seq, by_query, by_key, index, bh, i, j)
 
     @T.macro
     def zero_block():
@@ -522,86 +622,80 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
             T.evaluate(tile_instruction("tilestored64", T.int8(tile), T.address_of(c[c_row + tile // 2 * 16, c_column + tile % 2 * 16]),
                                         T.int64(c_stride)))
 
-    @T.prim_func(s_tir=True)
-    def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
-                  v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
-                  rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, AMX_KERNEL_ATTR: True, "op_pattern": 8})
-        with T.sblock("root"):
-            with T.sblock("attention_amx_tiles"):
-                T.reads(whole(q), whole(k), whole(v), whole(mask), whole(rows))
-                T.writes(whole(y))
-                for bh in T.parallel(batch * heads):
-                    configure_tiles()
-                    qb = T.alloc_buffer((seq, dim), "uint16")  # Q's rows in bf16
-                    ql = T.alloc_buffer((seq, dim), "uint16")  # and what that rounding left, in bf16
-                    kb = T.alloc_buffer((dim // 2, seq), "uint32")  # K^T's pairs: kb[d / 2, j] = K[j, d], K[j, d + 1]
-                    kl = T.alloc_buffer((dim // 2, seq), "uint32")  # and what rounding them left
-                    vb = T.alloc_buffer((seq // 2, dim), "uint32")  # V's pairs: vb[j / 2, d] = V[j, d], V[j + 1, d]
-                    scores = T.alloc_buffer((TILE, seq), "float32")  # a block of query rows' scores
-                    pb = T.alloc_buffer((TILE, seq), "uint16")  # their probabilities (not yet divided by their sum) in bf16
-                    totals = T.alloc_buffer((TILE,), "float32")
-                    out = T.alloc_buffer((TILE, TILE), "float32")
-                    partial = T.alloc_buffer((lanes,), "float32")
-                    rounded = T.alloc_buffer((lanes,), "uint32")  # a vector of probabilities in bf16 (high halves)
-                    block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
-                    row_max = T.alloc_buffer((1,), "float32")
-                    for s in range(seq):
-                        for d0 in range(dim // lanes):
-                            for x in T.vectorized(lanes):
-                                qb[s, d0 * lanes + x] = T.Cast("uint16", _bf16_high(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
-                                ql[s, d0 * lanes + x] = T.Cast("uint16", _bf16_rest(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
-                    for s2 in range(seq // 2):
-                        for d0 in range(dim // lanes):
-                            for x in T.vectorized(lanes):
-                                vb[s2, d0 * lanes + x] = _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2 + 1, d0, x)) | (
-                                    _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2, d0, x)) >> T.uint32(16))
-                    for j0 in range(seq // lanes):  # K in lanes x lanes blocks through registers, stored as pairs of its columns
-                        for d0 in range(dim // lanes):
-                            for r in T.unroll(lanes):
-                                for x in T.vectorized(lanes):
-                                    block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
-                            for c in T.unroll(pairs):
-                                for x in T.vectorized(lanes):
-                                    kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
-                                    kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
-                    for i0 in range(seq // TILE):  # a block of query rows at a time: its scores stay in L1 and L2
-                        for j0 in range(span.first(i0 * TILE) // TILE, span.end(i0 * TILE) // TILE):
-                            zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
-                            block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
-                            block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, 0, dim)
-                            block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
-                            store_block(scores, 0, j0 * TILE, seq * 4)
-                        # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
-                        for i in range(TILE):
-                            for x in T.vectorized(lanes):
-                                partial[x] = T.float32(-3.4028234663852886e38)
-                            for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
-                                for x in T.vectorized(lanes):
-                                    if masked:
-                                        scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by + grid.mask_at(
-                                            mask, bh // heads, bh % heads, i0 * TILE + i, c * lanes + x))
-                                    else:
-                                        scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by)
-                                    partial[x] = T.max(partial[x], scores[i, c * lanes + x])
-                            row_max[0] = across_lanes(partial, T.max)
-                            for x in T.vectorized(lanes):
-                                partial[x] = T.float32(0)
-                            for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
-                                for x in T.vectorized(lanes):
-                                    rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
-                                    partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
-                                    pb[i, c * lanes + x] = T.Cast("uint16", rounded[x] >> T.uint32(16))
-                            totals[i] = across_lanes(partial, lambda a, b: a + b)
-                        # y = P V / sum
-                        for d0 in range(dim // TILE):
-                            zero_block()
-                            block_product(pb, 0, seq * 2, vb, 0, d0 * TILE, dim * 4, span.first(i0 * TILE), span.end(i0 * TILE))
-                            store_block(out, 0, 0, TILE * 4)
-                            for i in range(TILE):
-                                for x in T.vectorized(TILE):
-                                    y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = out[i, x] / totals[i]
-                    T.evaluate(tile_instruction("tilerelease"))
+    @T.macro
+    def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
+        for bh in T.parallel(batch * heads):
+            configure_tiles()
+            qb = T.alloc_buffer((seq, dim), "uint16")  # Q's rows in bf16
+            ql = T.alloc_buffer((seq, dim), "uint16")  # and what that rounding left, in bf16
+            kb = T.alloc_buffer((dim // 2, seq), "uint32")  # K^T's pairs: kb[d / 2, j] = K[j, d], K[j, d + 1]
+            kl = T.alloc_buffer((dim // 2, seq), "uint32")  # and what rounding them left
+            vb = T.alloc_buffer((seq // 2, dim), "uint32")  # V's pairs: vb[j / 2, d] = V[j, d], V[j + 1, d]
+            scores = T.alloc_buffer((TILE, seq), "float32")  # a block of query rows' scores
+            pb = T.alloc_buffer((TILE, seq), "uint16")  # their probabilities (not yet divided by their sum) in bf16
+            totals = T.alloc_buffer((TILE,), "float32")
+            out = T.alloc_buffer((TILE, TILE), "float32")
+            partial = T.alloc_buffer((lanes,), "float32")
+            rounded = T.alloc_buffer((lanes,), "uint32")  # a vector of probabilities in bf16 (high halves)
+            block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
+            row_max = T.alloc_buffer((1,), "float32")
+            for s in range(seq):
+                for d0 in range(dim // lanes):
+                    for x in T.vectorized(lanes):
+                        qb[s, d0 * lanes + x] = T.Cast("uint16", _bf16_high(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
+                        ql[s, d0 * lanes + x] = T.Cast("uint16", _bf16_rest(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
+            for s2 in range(seq // 2):
+                for d0 in range(dim // lanes):
+                    for x in T.vectorized(lanes):
+                        vb[s2, d0 * lanes + x] = _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2 + 1, d0, x)) | (
+                            _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2, d0, x)) >> T.uint32(16))
+            for j0 in range(seq // lanes):  # K in lanes x lanes blocks through registers, stored as pairs of its columns
+                for d0 in range(dim // lanes):
+                    for r in T.unroll(lanes):
+                        for x in T.vectorized(lanes):
+                            block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
+                    for c in T.unroll(pairs):
+                        for x in T.vectorized(lanes):
+                            kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
+                            kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
+            for i0 in range(seq // TILE):  # a block of query rows at a time: its scores stay in L1 and L2
+                for j0 in range(span.first(i0 * TILE) // TILE, span.end(i0 * TILE) // TILE):
+                    zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
+                    block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
+                    block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, 0, dim)
+                    block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
+                    store_block(scores, 0, j0 * TILE, seq * 4)
+                # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
+                for i in range(TILE):
+                    for x in T.vectorized(lanes):
+                        partial[x] = T.float32(-3.4028234663852886e38)
+                    for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
+                        for x in T.vectorized(lanes):
+                            if masked:
+                                scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scaled(
+                                    scores[i, c * lanes + x], by_query, by_key, index, bh, i0 * TILE + i, c * lanes + x) + grid.mask_at(
+                                    mask, bh // heads, bh % heads, i0 * TILE + i, c * lanes + x))
+                            else:
+                                scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scaled(
+                                    scores[i, c * lanes + x], by_query, by_key, index, bh, i0 * TILE + i, c * lanes + x))
+                            partial[x] = T.max(partial[x], scores[i, c * lanes + x])
+                    row_max[0] = across_lanes(partial, T.max)
+                    for x in T.vectorized(lanes):
+                        partial[x] = T.float32(0)
+                    for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
+                        for x in T.vectorized(lanes):
+                            rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
+                            partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
+                            pb[i, c * lanes + x] = T.Cast("uint16", rounded[x] >> T.uint32(16))
+                    totals[i] = across_lanes(partial, lambda a, b: a + b)
+                # y = P V / sum
+                for d0 in range(dim // TILE):
+                    zero_block()
+                    block_product(pb, 0, seq * 2, vb, 0, d0 * TILE, dim * 4, span.first(i0 * TILE), span.end(i0 * TILE))
+                    store_block(out, 0, 0, TILE * 4)
+                    for i in range(TILE):
+                        for x in T.vectorized(TILE):
+                            y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = out[i, x] / totals[i]
+            T.evaluate(tile_instruction("tilerelease"))
 
-    assert isinstance(attention, tvm.tirx.PrimFunc)
-    return attention
+    return _attention_function(grid, positions, {KERNEL_ATTR: True, AMX_KERNEL_ATTR: True}, "attention_amx_tiles", every_head)

@@ -4,7 +4,7 @@ head transposes around them) found in the graph and replaced by one call of the 
 
 from __future__ import annotations
 
-from tvmbert.kernels.attention import amx_bf16_fits, amx_bf16_kernel, fits, kernel
+from tvmbert.kernels.attention import Positions, amx_bf16_fits, amx_bf16_kernel, fits, kernel
 from tvmbert.passes.attention_graph import Attention, find, mask_operand, row_major
 
 
@@ -65,7 +65,9 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
     transposes, the split of a fused projection; in a packed build, their gather into the
     [batch, seq] grid) becomes one call of the kernel on those values;
     the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
-    What else uses the views or the scores keeps them (dead code goes). With ``amx_bf16``, the
+    What else uses the views or the scores keeps them (dead code goes). DeBERTa's position
+    scores are gathered by the kernel from their two products (``kernels/attention.Positions``),
+    with no [batch x heads, seq, seq] tensor of them. With ``amx_bf16``, the
     kernel's matmuls run on AMX-BF16 where its tiles fit (``kernels/attention.amx_bf16_kernel``)."""
     from tvm import relax
 
@@ -86,18 +88,18 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             self.panel_sources = _panel_sources(self.module, function, flow, self.found, self.outputs, lanes)
             self.results, self.panels, self.padding_masks = {}, {}, {}
 
-        def kernel_for(self, found: Attention, panel: int, mask):
+        def kernel_for(self, found: Attention, panel: int, mask, on_amx: bool, positions: Positions | None):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
             mask_shape = tuple(int(d) for d in mask.ty.shape) if mask is not None else None
-            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window)
+            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window, positions)
             if key not in self.kernels:
-                on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
                 function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
-                                                                     found.tokens, panel, found.window)
+                                                                     found.tokens, panel, found.window, positions)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
                     + (f"_window{found.window}" if found.window is not None else "") \
                     + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
+                    + ("_positions" if positions is not None else "") \
                     + ("_amx" if on_amx else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
@@ -112,6 +114,20 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                 self.variants[callee] = self.builder_.add_func(function.without_attr("global_symbol"), callee.name_hint + "_panels")
             self.panels[binding.var] = self.builder_.emit(relax.call_tir(
                 self.variants[callee], [self.visit_expr(arg) for arg in binding.value.args[1].fields], relax.TensorType(shape, "float32")))
+
+        def position_operands(self, terms, seq: int):
+            """(Positions, its operands) for the kernel to gather DeBERTa's position terms; (None, [])
+            without any."""
+            import numpy as np
+
+            if not terms:
+                return None, []
+            by = {term.by_key: term for term in terms}
+            none = np.zeros(2 * seq - 1, "int32")
+            positions = Positions(*(by[k].factor if k in by else None for k in (False, True)),
+                                  *(int(by[k].product.ty.shape[2]) if k in by else 1 for k in (False, True)))
+            index = Positions.index(*(by[k].table if k in by else none for k in (False, True)))
+            return positions, [*(self.visit_expr(by[k].product) if k in by else unread() for k in (False, True)), relax.const(index)]
 
         def visit_var_binding_(self, binding):
             if binding.var in self.panel_sources:
@@ -128,10 +144,12 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                         operands.append(self.panels[source])
                         continue
                     operands.append(row_major(self.builder_, self.visit_expr(source), head_major, operand_rows, columns))
-                mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks)
+                on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
+                mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks, positions_read=bool(found.positions))
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
-                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask),
-                                                           [*operands, mask if mask is not None else unread(), rows],
+                positions, position_operands = self.position_operands(found.positions, seq)
+                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask, on_amx, positions),
+                                                           [*operands, mask if mask is not None else unread(), rows, *position_operands],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))
                 self.results[binding.var] = result
                 self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))

@@ -9,6 +9,17 @@ from typing import NamedTuple
 MASKED = -3.4028234663852886e38  # float32's minimum: what the graphs' masks put in a masked score
 
 
+class PositionTerm(NamedTuple):
+    """One of DeBERTa's position terms as the kernel reads it (``kernels/attention.Positions``):
+    ``product`` [B * H, S, R], gathered at column ``table[a - b + S - 1]`` of row a for query
+    row a and key b (``by_key`` False: its c2p) or key row a and query b (True: its p2c), times ``factor``."""
+
+    product: object
+    by_key: bool
+    factor: float
+    table: object  # numpy, 2 S - 1 columns
+
+
 class Attention(NamedTuple):
     """What the rewrite found for one ``matmul(softmax(Q K^T * scale + mask), V)``."""
 
@@ -32,6 +43,9 @@ class Attention(NamedTuple):
     # replaced by the float32 minimum (``where(~mask, min, scores)``). The kernel adds them as one mask.
     bias: object = None
     excluded: object = None
+    # ``bias`` as its gathered terms, one by query rows and one by key rows at most, where its
+    # gathers' indices are a relative position's (``Dataflow.position_terms``); else empty.
+    positions: tuple = ()
 
 
 class Dataflow:
@@ -206,6 +220,45 @@ class Dataflow:
             views.append(view)
         return views[0], views[1], scale, bias
 
+    def position_terms(self, bias, batch: int, heads: int, seq: int) -> tuple:
+        """DeBERTa's position scores ``bias`` [B * H, S, S] as PositionTerms: a sum of scaled
+        ``gather_elements(P, index, axis=-1)`` (transposed, for its p2c), P [B * H, S, R] and the
+        constant index alike for every row of P's first axis and a function of the difference
+        of its two positions alone. Empty for anything else (the kernel then reads ``bias`` whole)."""
+        import numpy as np
+
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        terms = []
+
+        def collect(expr, factor: float, transposed: bool) -> bool:
+            op = self.op_of(expr)
+            if op == "relax.add":
+                return all(self.scalar(arg) == 0.0 or collect(arg, factor, transposed) for arg in self.values[expr].args)
+            if op in ("relax.multiply", "relax.divide"):
+                inner, by = self.scaled(expr)
+                return by is not None and collect(inner, factor * by, transposed)
+            if op == "relax.permute_dims" and self.axes(expr) == [0, 2, 1]:
+                return collect(self.values[expr].args[0], factor, not transposed)
+            if op != "relax.gather_elements" or int(self.values[expr].attrs.axis) not in (-1, 2):
+                return False
+            product, index = self.values[expr].args
+            index, shape = self.constant(index), shape_of(product)
+            if (index is None or shape is None or len(shape) != 3 or shape[:2] != (batch * heads, seq) or product.ty.dtype != "float32"
+                    or index.shape[1:] != (seq, seq) or index.shape[0] not in (1, batch * heads) or not (index == index[:1]).all()):
+                return False
+            index = index[0]
+            table = np.concatenate([index[0, ::-1], index[1:, 0]])  # at a - b + S - 1, from row 0 and column 0
+            a, b = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
+            if not np.array_equal(table[a - b + seq - 1], index):
+                return False
+            terms.append(PositionTerm(product, transposed, factor, table))
+            return True
+
+        if not collect(bias, 1.0, False) or sorted(term.by_key for term in terms) not in ([False], [True], [False, True]):
+            return ()
+        return tuple(sorted(terms, key=lambda term: term.by_key))
+
     def heads_of(self, expr, transposed: bool):
         """(operand, columns, offset, rows, tokens) of a [B, H, S, D] (or, transposed,
         [B, H, D, S]) head-major view of a [B * S, H * D] row-major tensor's columns (rows None),
@@ -321,8 +374,9 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
         mask = None
     else:
         padding, window = None, None
+    positions = graph.position_terms(bias, batch, heads, seq) if bias is not None else ()
     return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4], head_major, padding,
-                     window, bias, excluded)
+                     window, bias, excluded, positions)
 
 
 def row_major(builder, source, head_major: bool, rows: int, columns: int):
@@ -338,11 +392,12 @@ def row_major(builder, source, head_major: bool, rows: int, columns: int):
     return source
 
 
-def mask_operand(builder, found: Attention, visit, padding_masks: dict):
+def mask_operand(builder, found: Attention, visit, padding_masks: dict, positions_read: bool = False):
     """The one additive mask the kernels read for ``found`` (broadcasting to [B, H, S, S]), or
     None: its mask, or the key padding's (made once per padding, ``padding_masks`` holding those
-    made: every layer reads the same); DeBERTa's position scores added; its excluded scores
-    replaced by the float32 minimum. ``visit`` maps the graph's vars to the rewritten ones."""
+    made: every layer reads the same); DeBERTa's position scores added, unless the kernel reads
+    them (``positions_read``); its excluded scores replaced by the float32 minimum (with no other
+    term, the [B, 1, S, S] mask of them alone, made once as a padding's)."""
     from tvm import relax
 
     batch, heads, seq, _ = found.shape
@@ -353,12 +408,16 @@ def mask_operand(builder, found: Attention, visit, padding_masks: dict):
         term = padding_masks[found.padding]
     elif found.mask is not None:
         term = visit(found.mask)
-    if found.bias is not None:
+    if found.bias is not None and not positions_read:
         bias = builder.emit(relax.op.reshape(visit(found.bias), (batch, heads, seq, seq)))
         term = bias if term is None else builder.emit(relax.op.add(bias, term))
-    if found.excluded is not None:
-        term = builder.emit(relax.op.where(visit(found.excluded), relax.const(MASKED, "float32"),
-                                           term if term is not None else relax.const(0.0, "float32")))
+    if found.excluded is not None and term is None:
+        if found.excluded not in padding_masks:
+            padding_masks[found.excluded] = builder.emit(relax.op.where(visit(found.excluded), relax.const(MASKED, "float32"),
+                                                                        relax.const(0.0, "float32")))
+        term = padding_masks[found.excluded]
+    elif found.excluded is not None:
+        term = builder.emit(relax.op.where(visit(found.excluded), relax.const(MASKED, "float32"), term))
     return term
 
 
