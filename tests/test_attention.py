@@ -129,8 +129,9 @@ def test_keys_a_block_at_a_time_keep_a_running_softmax(monkeypatch, lanes, seq):
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("seq, terms", [(32, "c2p,p2c"), (96, "c2p,p2c"), (32, "c2p"), (32, "p2c")])
-def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypatch, seq, terms):
+def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypatch, lanes, seq, terms):
     """Query i's score of key j gains c2p[i, query_table[i - j + S - 1]] / c and p2c[j,
     key_table[j - i + S - 1]] / c (the tables of different columns, so that a term read with
     the other's table, or transposed, fails), with either term alone, and at 96 tokens over
@@ -150,7 +151,7 @@ def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypat
     factor = 1 / np.sqrt(3 * dim)
     c2p, p2c = ("c2p" in terms, "p2c" in terms)
     positions = attention.Positions(factor if c2p else None, factor if p2c else None, width, width)
-    function = attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, mask.shape, factor, positions=positions)
+    function = attention.kernel(batch, heads, seq, dim, lanes, sources, mask.shape, factor, positions=positions)
     library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     unread = np.zeros(1, "float32")

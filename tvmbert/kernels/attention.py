@@ -195,16 +195,36 @@ class Positions:
 
         return np.stack([np.asarray(query_table)[::-1], np.asarray(key_table)]).astype("int32")
 
-    def score(self, seq: int, by_query, by_key, index, bh, i, j):
-        """TIR: what query i's score of key j gains (gathers: the columns vary along j)."""
+    def scores(self, seq: int, lanes: int, by_query, by_key, index, bh, i, first):
+        """TIR: the position scores of query i and keys first .. first + lanes, a vector; each
+        term one hardware gather (its columns vary along the keys, and p2c's rows too: a vector
+        index of scalar loads cost 6-7 cycles a score)."""
         from tvm.script import tirx as T
 
+        at = T.Ramp(seq - 1 - i + first, 1, lanes)
         terms = []
         if self.query_factor is not None:
-            terms.append(by_query[bh, i, index[0, seq - 1 - i + j]] * T.float32(self.query_factor))
+            terms.append(gather_floats(T.address_of(by_query[bh, i, 0]), index[0, at], lanes)
+                         * T.Broadcast(T.float32(self.query_factor), lanes))
         if self.key_factor is not None:
-            terms.append(by_key[bh, j, index[1, seq - 1 - i + j]] * T.float32(self.key_factor))
+            terms.append(gather_floats(T.address_of(by_key[bh, first, 0]), T.Ramp(0, self.key_columns, lanes) + index[1, at], lanes)
+                         * T.Broadcast(T.float32(self.key_factor), lanes))
         return terms[0] + terms[1] if len(terms) == 2 else terms[0]
+
+
+def gather_floats(base, offsets, lanes: int):
+    """TIR: the float32 vector ``base[offsets]`` (int32 offsets, in floats) by AVX-512's or
+    AVX2's gather: TVM scalarizes a load at a vector of indices (an extract, a load and an
+    insert a lane)."""
+    from tvm.script import tirx as T
+
+    if lanes == 16:
+        return T.call_llvm_pure_intrin("float32x16", T.llvm_lookup_intrinsic_id("llvm.x86.avx512.mask.gather.dps.512"),
+                                       T.Broadcast(T.float32(0), 16), base, offsets, T.Broadcast(T.bool(True), 16), T.int32(4))
+    assert lanes == 8, lanes
+    return T.call_llvm_pure_intrin("float32x8", T.llvm_lookup_intrinsic_id("llvm.x86.avx2.gather.d.ps.256"),
+                                   T.Broadcast(T.float32(0), 8), base, offsets, T.reinterpret("float32x8", T.Broadcast(T.int32(-1), 8)),
+                                   T.int8(4))
 
 
 def softmax_vectors(seq: int, lanes: int) -> int:
@@ -388,12 +408,11 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
 
     @T.macro
     def position_scores(by_query, by_key, index, scores, bh, b0, kb):
-        """The block's position scores, where its score tiles add theirs: gathers, a vector of keys at a time."""
-        for i in range(block_rows):
-            for c in range(keys_first(b0, kb) // lanes, keys_end(b0, kb) // lanes):
-                for x in T.vectorized(lanes):
-                    scores[i, c * lanes - kb * keys + x] = positions.score(seq, by_query, by_key, index, bh, b0 * block_rows + i,
-                                                                           c * lanes + x)
+        """The block's position scores, where its score tiles add theirs, a vector of keys at a time."""
+        for c in range(keys_first(b0, kb) // lanes, keys_end(b0, kb) // lanes):
+            for i in range(block_rows):
+                scores[i, T.Ramp(c * lanes - kb * keys, 1, lanes)] = positions.scores(seq, lanes, by_query, by_key, index, bh,
+                                                                                      b0 * block_rows + i, c * lanes)
 
     @T.macro
     def output_start(out, rescale, acc, local, c):  # what the blocks of keys before this one summed, rescaled
@@ -593,10 +612,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     def across_lanes(partial, combine):
         return _across_lanes(partial, lanes, combine)
 
-    def scaled(score, by_query, by_key, index, bh, i, j):  # query i's score of key j scaled, plus its position scores
-        if positions is None:
-            return score * scale_by
-        return score * scale_by + positions.score(seq, by_query, by_key, index, bh, i, j)
+    # With position scores, a loop before the mask's scales the scores and adds them (gathers, whole vectors).
+    scale_by_then = scale_by if positions is None else T.float32(1.0)
 
     @T.macro
     def zero_block():
@@ -667,17 +684,19 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     store_block(scores, 0, j0 * TILE, seq * 4)
                 # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
                 for i in range(TILE):
+                    if positions is not None:
+                        for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
+                            scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(scale_by, lanes) \
+                                + positions.scores(seq, lanes, by_query, by_key, index, bh, i0 * TILE + i, c * lanes)
                     for x in T.vectorized(lanes):
                         partial[x] = T.float32(-3.4028234663852886e38)
                     for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                         for x in T.vectorized(lanes):
                             if masked:
-                                scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scaled(
-                                    scores[i, c * lanes + x], by_query, by_key, index, bh, i0 * TILE + i, c * lanes + x) + grid.mask_at(
+                                scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by_then + grid.mask_at(
                                     mask, bh // heads, bh % heads, i0 * TILE + i, c * lanes + x))
                             else:
-                                scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scaled(
-                                    scores[i, c * lanes + x], by_query, by_key, index, bh, i0 * TILE + i, c * lanes + x))
+                                scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by_then)
                             partial[x] = T.max(partial[x], scores[i, c * lanes + x])
                     row_max[0] = across_lanes(partial, T.max)
                     for x in T.vectorized(lanes):
