@@ -131,33 +131,42 @@ def test_keys_a_block_at_a_time_keep_a_running_softmax(monkeypatch, lanes, seq):
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("seq, terms", [(32, "c2p,p2c"), (96, "c2p,p2c"), (32, "c2p"), (32, "p2c")])
-def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypatch, lanes, seq, terms):
+@pytest.mark.parametrize("computed", [False, True])
+def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypatch, lanes, seq, terms, computed):
     """Query i's score of key j gains c2p[i, query_table[i - j + S - 1]] / c and p2c[j,
     key_table[j - i + S - 1]] / c (the tables of different columns, so that a term read with
     the other's table, or transposed, fails), with either term alone, and at 96 tokens over
-    blocks of keys and of query rows (KEY_BLOCK 32, scores within 4 KiB), against float64."""
+    blocks of keys and of query rows (KEY_BLOCK 32, scores within 4 KiB), against float64. The
+    products come made, or the kernel makes them from Q, K and the position projections
+    (c2p = Q Wq, p2c = K Wk, per head), c2p a block of query rows at a time."""
     import tvm
 
     monkeypatch.setattr(attention, "KEY_BLOCK", 32)
     monkeypatch.setattr(attention, "SCORES_BYTES", 4096)
-    batch, heads, dim, width = 2, 2, 16, 11
+    batch, heads, dim, width = 2, 2, 16, 32 if computed else 11
     rng = np.random.default_rng(4)
     columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)
     sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
     mask = np.where(rng.random((batch, 1, seq, seq)) < 0.2, MASKED, 0).astype(np.float32)
     mask[:, :, np.arange(seq), np.arange(seq)] = 0
-    products = [rng.standard_normal((batch * heads, seq, width), dtype=np.float32) for _ in range(2)]
+    if computed:  # the position projections, and the products they make
+        operands = [rng.standard_normal((batch * heads, dim, width), dtype=np.float32) for _ in range(2)]
+        products = [(rows.reshape(batch * heads, seq, dim).astype(np.float64) @ weights).astype(np.float32)
+                    for rows, weights in zip((q, k), operands)]
+    else:
+        operands = products = [rng.standard_normal((batch * heads, seq, width), dtype=np.float32) for _ in range(2)]
     tables = [rng.integers(0, width, 2 * seq - 1) for _ in range(2)]
     factor = 1 / np.sqrt(3 * dim)
     c2p, p2c = ("c2p" in terms, "p2c" in terms)
-    positions = attention.Positions(factor if c2p else None, factor if p2c else None, width, width)
+    positions = attention.Positions(factor if c2p else None, factor if p2c else None, width, width, computed)
     function = attention.kernel(batch, heads, seq, dim, lanes, sources, mask.shape, factor, positions=positions)
     library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     unread = np.zeros(1, "float32")
-    operands = (columns, columns, columns, mask, np.zeros(1, "int32"), products[0] if c2p else unread, products[1] if p2c else unread,
-                attention.Positions.index(*tables))
-    library["main"](*(tvm.runtime.tensor(a) for a in operands), y)
+    inputs = (columns, columns, columns, mask, np.zeros(1, "int32"), operands[0] if c2p else unread, operands[1] if p2c else unread,
+              attention.Positions.index(*tables))
+    library["main"](*(tvm.runtime.tensor(a) for a in inputs), y)
     i, j = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
     scores = np.zeros((batch * heads, seq, seq))
     if c2p:
@@ -165,7 +174,6 @@ def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypat
     if p2c:
         scores += products[1].astype(np.float64)[:, j, tables[1][j - i + seq - 1]] * factor
     bias = mask + scores.reshape(batch, heads, seq, seq)
-    q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
     np.testing.assert_allclose(y.numpy(), _reference(q, k, v, bias, factor).transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
 
 

@@ -252,9 +252,10 @@ def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmber
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert, workdir, tmp_path):
     """Its flat [batch x heads, seq, seq] scores, the c2p and p2c terms added and the mask applied
-    by ``where``: one kernel call a layer, which gathers the terms from their two products as it
-    scores; no [batch x heads, seq, seq] tensor is made, and the mask is one [batch, 1, seq, seq]
-    for every layer. In int8 on AMX the AMX kernel gathers them too."""
+    by ``where``: one kernel call a layer, which computes the c2p and p2c products from Q and K
+    and gathers the terms from them as it scores; no [batch x heads, seq, seq] tensor is made,
+    and the mask is one [batch, 1, seq, seq] for every layer. In int8 on AMX the AMX kernel
+    gathers them too, from the graph's products."""
     args = ("deberta-v3-tiny", "--batch", "2", "--seq-len", "64", "--log-dir", str(tmp_path))
     built = tvmbert("build", *args, "--json")
     assert built.code == 0, built.stderr
@@ -262,6 +263,7 @@ def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert,
     optimized = (workdir / "deberta-v3-tiny" / "b2-s64-float32" / "optimize" / "module.py").read_text()
     assert "R.Tensor((4, 64, 64)" not in optimized and "R.Tensor((2, 2, 64, 64)" not in optimized
     assert optimized.count('out_ty=R.Tensor((2, 1, 64, 64), dtype="float32")') == 1
+    assert "R.call_tir(cls.matmul" not in optimized  # the kernel computes c2p and p2c from Q and K
     for dtype in ("float32", "int8"):
         verified = tvmbert("verify", *args, "--dtype", dtype, "--samples", "4", "--json")
         assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)

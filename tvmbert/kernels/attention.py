@@ -171,21 +171,28 @@ def window_mask(window: int | None):
 class Positions:
     """DeBERTa's position scores, which the kernels add to each score where the graph adds a
     [batch x heads, seq, seq] tensor of them gathered from two products (its c2p and p2c): query
-    i's score of key j gains ``by_query[bh, i, query_table[i - j + S - 1]] * query_factor`` and
-    ``by_key[bh, j, key_table[j - i + S - 1]] * key_factor``, the tables each relative
-    position's column in its product. The kernel reads both tables as ``index`` (``index``
-    below): a row each, in key order. A term the model lacks has factor None (its operand one
-    unread float)."""
+    i's score of key j gains ``c2p[bh, i, query_table[i - j + S - 1]] * query_factor`` and
+    ``p2c[bh, j, key_table[j - i + S - 1]] * key_factor``, the tables each relative position's
+    column in its product. The kernel reads both tables as ``index`` (``index`` below): a row
+    each, in key order. A term the model lacks has factor None (its operand one unread float).
+
+    The operands are the products, [B * H, S, columns], or with ``weights`` what they multiply
+    Q and K by, [B * H, D, columns] (the position keys and queries, projected and transposed):
+    ``kernel`` then computes the products itself, on register tiles as its scores, c2p a block
+    of query rows at a time (the graph's batched matmuls ran at a third of the kernel's rate,
+    and wrote [B * H, S, columns] twice a layer)."""
 
     query_factor: float | None
     key_factor: float | None
     query_columns: int = 1
     key_columns: int = 1
+    weights: bool = False
 
-    def shapes(self, batch: int, heads: int, seq: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
+    def shapes(self, batch: int, heads: int, seq: int, dim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
         """The by_query, by_key and index operands' shapes."""
-        return ((batch * heads, seq, self.query_columns) if self.query_factor is not None else (1,),
-                (batch * heads, seq, self.key_columns) if self.key_factor is not None else (1,), (2, 2 * seq - 1))
+        rows = dim if self.weights else seq
+        return ((batch * heads, rows, self.query_columns) if self.query_factor is not None else (1,),
+                (batch * heads, rows, self.key_columns) if self.key_factor is not None else (1,), (2, 2 * seq - 1))
 
     @staticmethod
     def index(query_table, key_table):
@@ -195,20 +202,20 @@ class Positions:
 
         return np.stack([np.asarray(query_table)[::-1], np.asarray(key_table)]).astype("int32")
 
-    def scores(self, seq: int, lanes: int, by_query, by_key, index, bh, i, first):
-        """TIR: the position scores of query i and keys first .. first + lanes, a vector; each
-        term one hardware gather (its columns vary along the keys, and p2c's rows too: a vector
-        index of scalar loads cost 6-7 cycles a score)."""
+    def scores(self, seq: int, lanes: int, index, i, first, query_row, key_rows):
+        """TIR: the position scores of query i and keys first .. first + lanes, a vector, from
+        the address of query i's c2p row and key ``first``'s p2c row (the next keys' rows
+        following, ``key_columns`` apart); each term one hardware gather (its columns vary
+        along the keys, and p2c's rows too: a vector index of scalar loads cost 6-7 cycles a
+        score). The products the kernel computes carry their factor already."""
         from tvm.script import tirx as T
 
         at = T.Ramp(seq - 1 - i + first, 1, lanes)
         terms = []
-        if self.query_factor is not None:
-            terms.append(gather_floats(T.address_of(by_query[bh, i, 0]), index[0, at], lanes)
-                         * T.Broadcast(T.float32(self.query_factor), lanes))
-        if self.key_factor is not None:
-            terms.append(gather_floats(T.address_of(by_key[bh, first, 0]), T.Ramp(0, self.key_columns, lanes) + index[1, at], lanes)
-                         * T.Broadcast(T.float32(self.key_factor), lanes))
+        for factor, gathered in ((self.query_factor, lambda: gather_floats(query_row, index[0, at], lanes)),
+                                 (self.key_factor, lambda: gather_floats(key_rows, T.Ramp(0, self.key_columns, lanes) + index[1, at], lanes))):
+            if factor is not None:
+                terms.append(gathered() if self.weights else gathered() * T.Broadcast(T.float32(factor), lanes))
         return terms[0] + terms[1] if len(terms) == 2 else terms[0]
 
 
@@ -280,7 +287,7 @@ def _attention_function(grid: _Grid, positions: Positions | None, attributes: di
                     T.writes(whole(y))
                     every_head(q, k, v, mask, rows, rows, rows, rows, y)  # no position operands: nothing reads them
     else:
-        query_shape, key_shape, index_shape = positions.shapes(batch, heads, seq)
+        query_shape, key_shape, index_shape = positions.shapes(batch, heads, seq, dim)
 
         @T.prim_func(s_tir=True)
         def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
@@ -324,7 +331,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = grid.sources
     score_width = vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
-    width = max(score_width, out_width)
+    # The position products the kernel computes (``Positions.weights``): c2p's and p2c's columns, a tile's width of them.
+    computed = positions is not None and positions.weights
+    query_columns, key_columns = (positions.query_columns, positions.key_columns) if computed else (lanes, lanes)
+    assert query_columns % lanes == 0 and key_columns % lanes == 0, (query_columns, key_columns)
+    query_width, key_width = (vectors_per_tile(columns // lanes, lanes) * lanes for columns in (query_columns, key_columns))
+    computes_query, computes_key = (computed and positions.query_factor is not None, computed and positions.key_factor is not None)
+    width = max(score_width, out_width, query_width, key_width)
     softmax_width = softmax_vectors(seq, lanes) * lanes
     align = key_alignment(seq, lanes)
     # A block of query rows' scores, softmax and P V a block of keys at a time; a window bounds a
@@ -407,12 +420,43 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         first + i, c * score_width + x, scaled(acc[i, x], scores[local + i, c * score_width - base + x]))
 
     @T.macro
-    def position_scores(by_query, by_key, index, scores, bh, b0, kb):
+    def position_product(operand, which, rows, weights, product, acc_top, acc_bottom, bh, first, count, columns, tile_width, factor):
+        """``product[r] = (row first + r of head bh's Q (which 0) or K (1)) @ weights[bh] * factor``
+        for r < count, on register tiles as the scores."""
+        for t in range(count // ROWS):
+            for c in range(columns // tile_width):
+                zero(acc_top, tile_width)
+                zero(acc_bottom, tile_width)
+                for d0, e in T.grid(dim // lanes, lanes):
+                    for i in T.unroll(half):
+                        for x in T.vectorized(tile_width):
+                            acc_top[i, x] = acc_top[i, x] + grid.head_row(operand, rows, which, bh, first + t * ROWS + i, d0, e) \
+                                * weights[bh, d0 * lanes + e, c * tile_width + x]
+                            acc_bottom[i, x] = acc_bottom[i, x] + grid.head_row(operand, rows, which, bh, first + t * ROWS + half + i, d0, e) \
+                                * weights[bh, d0 * lanes + e, c * tile_width + x]
+                for i in T.unroll(half):
+                    for x in T.vectorized(tile_width):
+                        product[t * ROWS + i, c * tile_width + x] = acc_top[i, x] * T.float32(factor)
+                        product[t * ROWS + half + i, c * tile_width + x] = acc_bottom[i, x] * T.float32(factor)
+
+    def query_row(by_query, query_products, bh, i, local):  # the address of query i's c2p row, ``local`` in the block
+        if positions.query_factor is None:
+            return None
+        return T.address_of(query_products[local, 0]) if computed else T.address_of(by_query[bh, i, 0])
+
+    def key_rows(by_key, key_products, bh, j):  # the address of key j's p2c row
+        if positions.key_factor is None:
+            return None
+        return T.address_of(key_products[j, 0]) if computed else T.address_of(by_key[bh, j, 0])
+
+    @T.macro
+    def position_scores(by_query, by_key, index, query_products, key_products, scores, bh, b0, kb):
         """The block's position scores, where its score tiles add theirs, a vector of keys at a time."""
         for c in range(keys_first(b0, kb) // lanes, keys_end(b0, kb) // lanes):
             for i in range(block_rows):
-                scores[i, T.Ramp(c * lanes - kb * keys, 1, lanes)] = positions.scores(seq, lanes, by_query, by_key, index, bh,
-                                                                                      b0 * block_rows + i, c * lanes)
+                scores[i, T.Ramp(c * lanes - kb * keys, 1, lanes)] = positions.scores(
+                    seq, lanes, index, b0 * block_rows + i, c * lanes, query_row(by_query, query_products, bh, b0 * block_rows + i, i),
+                    key_rows(by_key, key_products, bh, c * lanes))
 
     @T.macro
     def output_start(out, rescale, acc, local, c):  # what the blocks of keys before this one summed, rescaled
@@ -443,14 +487,14 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 out[local + i, c * out_width + x] = acc[i, x]
 
     @T.macro
-    def key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                       partial, bh, b0, kb, last):
+    def key_block_step(q, k, v, mask, rows, by_query, by_key, index, query_products, key_products, y, kt, vh, scores, totals, row_max,
+                       rescale, out, acc_top, acc_bottom, partial, bh, b0, kb, last):
         """Query block b0 over key block kb: its scores, their softmax (with the running max and
         sum of the blocks before unless ``single``) and P V, added to ``out`` or, ``last``, the
         output divided by the row sums."""
         # scores = Q K^T * scale + mask [+ position scores], a register tile at a time
         if positions is not None:
-            position_scores(by_query, by_key, index, scores, bh, b0, kb)
+            position_scores(by_query, by_key, index, query_products, key_products, scores, bh, b0, kb)
         for t in range(block_rows // ROWS):
             for c in range(keys_first(b0, kb) // score_width, keys_end(b0, kb) // score_width):
                 zero(acc_top, score_width)
@@ -519,6 +563,12 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
             acc_bottom = T.alloc_buffer((half, width), "float32")
             partial = T.alloc_buffer((softmax_width,), "float32")
             block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
+            # the position products the kernel computes: p2c's for every key, c2p's for a block of query rows
+            query_products = T.alloc_buffer((block_rows, query_columns) if computes_query else (1, 1), "float32")
+            key_products = T.alloc_buffer((seq, key_columns) if computes_key else (1, 1), "float32")
+            if computes_key:
+                position_product(k, 1, rows, by_key, key_products, acc_top, acc_bottom, bh, 0, seq, key_columns, key_width,
+                                 positions.key_factor)
             # this head's K transposed and V (unless read in place), contiguous (rows of the operands are far apart: cache sets)
             if not v_in_place:
                 for j in range(seq):
@@ -534,9 +584,12 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         for x in T.vectorized(lanes):
                             kt[d0 * lanes + c, j0 * lanes + x] = block[x, c]
             for b0 in range(seq // block_rows):  # a block of query rows: its scores stay in cache
+                if computes_query:
+                    position_product(q, 0, rows, by_query, query_products, acc_top, acc_bottom, bh, b0 * block_rows, block_rows,
+                                     query_columns, query_width, positions.query_factor)
                 if single:
-                    key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                                   partial, bh, b0, 0, True)
+                    key_block_step(q, k, v, mask, rows, by_query, by_key, index, query_products, key_products, y, kt, vh, scores, totals,
+                                   row_max, rescale, out, acc_top, acc_bottom, partial, bh, b0, 0, True)
                 else:
                     for i in range(block_rows):
                         row_max[i] = lowest
@@ -544,10 +597,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         for d in T.vectorized(dim):
                             out[i, d] = T.float32(0)
                     for kb in range(span.first(b0 * block_rows) // keys, (span.end(b0 * block_rows) - 1) // keys):
-                        key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                                       partial, bh, b0, kb, False)
-                    key_block_step(q, k, v, mask, rows, by_query, by_key, index, y, kt, vh, scores, totals, row_max, rescale, out, acc_top, acc_bottom,
-                                   partial, bh, b0, (span.end(b0 * block_rows) - 1) // keys, True)
+                        key_block_step(q, k, v, mask, rows, by_query, by_key, index, query_products, key_products, y, kt, vh, scores, totals,
+                                       row_max, rescale, out, acc_top, acc_bottom, partial, bh, b0, kb, False)
+                    key_block_step(q, k, v, mask, rows, by_query, by_key, index, query_products, key_products, y, kt, vh, scores, totals,
+                                   row_max, rescale, out, acc_top, acc_bottom, partial, bh, b0, (span.end(b0 * block_rows) - 1) // keys, True)
 
     return _attention_function(grid, positions, {KERNEL_ATTR: True}, "attention_tiles", every_head)
 
@@ -600,7 +653,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     from tvm.script import tirx as T
 
     assert amx_bf16_fits(seq, dim, lanes), (seq, dim, lanes)
-    assert positions is None or window is None, "DeBERTa has no window"
+    assert positions is None or (window is None and not positions.weights), "DeBERTa has no window; its products come computed"
     span = key_span(seq, TILE, window, TILE)
     windowed = window_mask(window)
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
@@ -614,6 +667,12 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
 
     # With position scores, a loop before the mask's scales the scores and adds them (gathers, whole vectors).
     scale_by_then = scale_by if positions is None else T.float32(1.0)
+
+    def query_row(by_query, bh, i):  # the address of query i's c2p row
+        return T.address_of(by_query[bh, i, 0]) if positions.query_factor is not None else None
+
+    def key_rows(by_key, bh, j):  # the address of key j's p2c row
+        return T.address_of(by_key[bh, j, 0]) if positions.key_factor is not None else None
 
     @T.macro
     def zero_block():
@@ -687,7 +746,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     if positions is not None:
                         for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                             scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(scale_by, lanes) \
-                                + positions.scores(seq, lanes, by_query, by_key, index, bh, i0 * TILE + i, c * lanes)
+                                + positions.scores(seq, lanes, index, i0 * TILE + i, c * lanes, query_row(by_query, bh, i0 * TILE + i),
+                                                   key_rows(by_key, bh, c * lanes))
                     for x in T.vectorized(lanes):
                         partial[x] = T.float32(-3.4028234663852886e38)
                     for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):

@@ -115,19 +115,34 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             self.panels[binding.var] = self.builder_.emit(relax.call_tir(
                 self.variants[callee], [self.visit_expr(arg) for arg in binding.value.args[1].fields], relax.TensorType(shape, "float32")))
 
-        def position_operands(self, terms, seq: int):
-            """(Positions, its operands) for the kernel to gather DeBERTa's position terms; (None, [])
-            without any."""
+        def position_operands(self, terms, seq: int, compute: bool):
+            """(Positions, its operands) for the kernel to gather DeBERTa's position terms, (None, [])
+            without any: the products, or with ``compute`` (the fp32 kernel) and the terms' weights
+            found, those, their columns padded with zeros to whole vectors, for the kernel to compute
+            the products (bind-params pads them once)."""
             import numpy as np
 
             if not terms:
                 return None, []
             by = {term.by_key: term for term in terms}
+            weights = compute and all(term.weights is not None for term in terms)
+            operands = []
+            for side in (False, True):
+                if side not in by:
+                    operands.append(unread())
+                elif not weights:
+                    operands.append(self.visit_expr(by[side].product))
+                else:
+                    operand = self.visit_expr(by[side].weights)
+                    columns = int(operand.ty.shape[2])
+                    if columns % lanes:
+                        operand = self.builder_.emit(relax.op.nn.pad(operand, [0, 0, 0, 0, 0, -columns % lanes]))
+                    operands.append(operand)
+            widths = [int(operand.ty.shape[2]) if side in by else 1 for side, operand in zip((False, True), operands)]
+            positions = Positions(*(by[side].factor if side in by else None for side in (False, True)), *widths, weights)
             none = np.zeros(2 * seq - 1, "int32")
-            positions = Positions(*(by[k].factor if k in by else None for k in (False, True)),
-                                  *(int(by[k].product.ty.shape[2]) if k in by else 1 for k in (False, True)))
-            index = Positions.index(*(by[k].table if k in by else none for k in (False, True)))
-            return positions, [*(self.visit_expr(by[k].product) if k in by else unread() for k in (False, True)), relax.const(index)]
+            index = Positions.index(*(by[side].table if side in by else none for side in (False, True)))
+            return positions, [*operands, relax.const(index)]
 
         def visit_var_binding_(self, binding):
             if binding.var in self.panel_sources:
@@ -147,7 +162,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                 on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
                 mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks, positions_read=bool(found.positions))
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
-                positions, position_operands = self.position_operands(found.positions, seq)
+                positions, position_operands = self.position_operands(found.positions, seq, not on_amx)
                 result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask, on_amx, positions),
                                                            [*operands, mask if mask is not None else unread(), rows, *position_operands],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))

@@ -18,6 +18,9 @@ class PositionTerm(NamedTuple):
     by_key: bool
     factor: float
     table: object  # numpy, 2 S - 1 columns
+    # The product's right side [B * H, D, R] where it is ``matmul(Q, this)`` (``matmul(K, this)``
+    # by key rows) of the Q (K) the scores read: the kernel can compute the product itself.
+    weights: object = None
 
 
 class Attention(NamedTuple):
@@ -220,11 +223,12 @@ class Dataflow:
             views.append(view)
         return views[0], views[1], scale, bias
 
-    def position_terms(self, bias, batch: int, heads: int, seq: int) -> tuple:
+    def position_terms(self, bias, batch: int, heads: int, seq: int, views: tuple) -> tuple:
         """DeBERTa's position scores ``bias`` [B * H, S, S] as PositionTerms: a sum of scaled
         ``gather_elements(P, index, axis=-1)`` (transposed, for its p2c), P [B * H, S, R] and the
         constant index alike for every row of P's first axis and a function of the difference
-        of its two positions alone. Empty for anything else (the kernel then reads ``bias`` whole)."""
+        of its two positions alone. Empty for anything else (the kernel then reads ``bias`` whole).
+        ``views``: the scores' Q and K, head-major [B, H, S, D] (``PositionTerm.weights``)."""
         import numpy as np
 
         from tvmbert.ir.dataflow import static_shape as shape_of
@@ -252,7 +256,14 @@ class Dataflow:
             a, b = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
             if not np.array_equal(table[a - b + seq - 1], index):
                 return False
-            terms.append(PositionTerm(product, transposed, factor, table))
+            weights = None
+            if self.op_of(product) == "relax.matmul":
+                left, right = self.values[product].args
+                view = views[1 if transposed else 0]
+                if (self.op_of(left) == "relax.reshape" and self.values[left].args[0].same_as(view) and right.ty.dtype == "float32"
+                        and shape_of(right) == (batch * heads, shape_of(view)[3], shape[2])):
+                    weights = right
+            terms.append(PositionTerm(product, transposed, factor, table, weights))
             return True
 
         if not collect(bias, 1.0, False) or sorted(term.by_key for term in terms) not in ([False], [True], [False, True]):
@@ -374,7 +385,7 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
         mask = None
     else:
         padding, window = None, None
-    positions = graph.position_terms(bias, batch, heads, seq) if bias is not None else ()
+    positions = graph.position_terms(bias, batch, heads, seq, (q_view, k_view)) if bias is not None else ()
     return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4], head_major, padding,
                      window, bias, excluded, positions)
 
