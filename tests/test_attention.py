@@ -137,8 +137,8 @@ def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypat
     key_table[j - i + S - 1]] / c (the tables of different columns, so that a term read with
     the other's table, or transposed, fails), with either term alone, and at 96 tokens over
     blocks of keys and of query rows (KEY_BLOCK 32, scores within 4 KiB), against float64. The
-    products come made, or the kernel makes them from Q, K and the position projections
-    (c2p = Q Wq, p2c = K Wk, per head), c2p a block of query rows at a time."""
+    products come made, or the kernel makes them from Q, K and each head's position projections
+    (c2p = Q Wq, p2c = K Wk), c2p a block of query rows at a time."""
     import tvm
 
     monkeypatch.setattr(attention, "KEY_BLOCK", 32)
@@ -150,9 +150,9 @@ def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypat
     q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
     mask = np.where(rng.random((batch, 1, seq, seq)) < 0.2, MASKED, 0).astype(np.float32)
     mask[:, :, np.arange(seq), np.arange(seq)] = 0
-    if computed:  # the position projections, and the products they make
-        operands = [rng.standard_normal((batch * heads, dim, width), dtype=np.float32) for _ in range(2)]
-        products = [(rows.reshape(batch * heads, seq, dim).astype(np.float64) @ weights).astype(np.float32)
+    if computed:  # each head's position projections, and the products they make
+        operands = [rng.standard_normal((heads, dim, width), dtype=np.float32) for _ in range(2)]
+        products = [(rows.astype(np.float64) @ weights).reshape(batch * heads, seq, width).astype(np.float32)
                     for rows, weights in zip((q, k), operands)]
     else:
         operands = products = [rng.standard_normal((batch * heads, seq, width), dtype=np.float32) for _ in range(2)]

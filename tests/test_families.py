@@ -264,6 +264,7 @@ def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert,
     assert "R.Tensor((4, 64, 64)" not in optimized and "R.Tensor((2, 2, 64, 64)" not in optimized
     assert optimized.count('out_ty=R.Tensor((2, 1, 64, 64), dtype="float32")') == 1
     assert "R.call_tir(cls.matmul" not in optimized  # the kernel computes c2p and p2c from Q and K
+    assert 'by_query: T.Buffer((2, 32, 16), "float32")' in optimized  # from each head's position keys, not each sequence's
     for dtype in ("float32", "int8"):
         verified = tvmbert("verify", *args, "--dtype", dtype, "--samples", "4", "--json")
         assert verified.code == 0 and verified.json["passed"], (dtype, verified.stderr)

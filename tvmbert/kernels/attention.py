@@ -177,7 +177,7 @@ class Positions:
     each, in key order. A term the model lacks has factor None (its operand one unread float).
 
     The operands are the products, [B * H, S, columns], or with ``weights`` what they multiply
-    Q and K by, [B * H, D, columns] (the position keys and queries, projected and transposed):
+    each head's Q and K by, [H, D, columns] (the position keys and queries, projected and transposed):
     ``kernel`` then computes the products itself, on register tiles as its scores, c2p a block
     of query rows at a time (the graph's batched matmuls ran at a third of the kernel's rate,
     and wrote [B * H, S, columns] twice a layer)."""
@@ -190,9 +190,9 @@ class Positions:
 
     def shapes(self, batch: int, heads: int, seq: int, dim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
         """The by_query, by_key and index operands' shapes."""
-        rows = dim if self.weights else seq
-        return ((batch * heads, rows, self.query_columns) if self.query_factor is not None else (1,),
-                (batch * heads, rows, self.key_columns) if self.key_factor is not None else (1,), (2, 2 * seq - 1))
+        lead = (heads, dim) if self.weights else (batch * heads, seq)
+        return ((*lead, self.query_columns) if self.query_factor is not None else (1,),
+                (*lead, self.key_columns) if self.key_factor is not None else (1,), (2, 2 * seq - 1))
 
     @staticmethod
     def index(query_table, key_table):
@@ -421,7 +421,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
 
     @T.macro
     def position_product(operand, which, rows, weights, product, acc_top, acc_bottom, bh, first, count, columns, tile_width, factor):
-        """``product[r] = (row first + r of head bh's Q (which 0) or K (1)) @ weights[bh] * factor``
+        """``product[r] = (row first + r of head bh's Q (which 0) or K (1)) @ weights[its head] * factor``
         for r < count, on register tiles as the scores."""
         for t in range(count // ROWS):
             for c in range(columns // tile_width):
@@ -431,9 +431,9 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     for i in T.unroll(half):
                         for x in T.vectorized(tile_width):
                             acc_top[i, x] = acc_top[i, x] + grid.head_row(operand, rows, which, bh, first + t * ROWS + i, d0, e) \
-                                * weights[bh, d0 * lanes + e, c * tile_width + x]
+                                * weights[bh % heads, d0 * lanes + e, c * tile_width + x]
                             acc_bottom[i, x] = acc_bottom[i, x] + grid.head_row(operand, rows, which, bh, first + t * ROWS + half + i, d0, e) \
-                                * weights[bh, d0 * lanes + e, c * tile_width + x]
+                                * weights[bh % heads, d0 * lanes + e, c * tile_width + x]
                 for i in T.unroll(half):
                     for x in T.vectorized(tile_width):
                         product[t * ROWS + i, c * tile_width + x] = acc_top[i, x] * T.float32(factor)

@@ -115,11 +115,11 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             self.panels[binding.var] = self.builder_.emit(relax.call_tir(
                 self.variants[callee], [self.visit_expr(arg) for arg in binding.value.args[1].fields], relax.TensorType(shape, "float32")))
 
-        def position_operands(self, terms, seq: int, compute: bool):
+        def position_operands(self, terms, batch: int, seq: int, compute: bool):
             """(Positions, its operands) for the kernel to gather DeBERTa's position terms, (None, [])
             without any: the products, or with ``compute`` (the fp32 kernel) and the terms' weights
-            found, those, their columns padded with zeros to whole vectors, for the kernel to compute
-            the products (bind-params pads them once)."""
+            found, those of one sequence (its heads), their columns padded with zeros to whole
+            vectors, for the kernel to compute the products (bind-params slices and pads them once)."""
             import numpy as np
 
             if not terms:
@@ -134,6 +134,9 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                     operands.append(self.visit_expr(by[side].product))
                 else:
                     operand = self.visit_expr(by[side].weights)
+                    heads = int(operand.ty.shape[0]) // batch
+                    if batch > 1:
+                        operand = self.builder_.emit(relax.op.strided_slice(operand, axes=[0], begin=[0], end=[heads]))
                     columns = int(operand.ty.shape[2])
                     if columns % lanes:
                         operand = self.builder_.emit(relax.op.nn.pad(operand, [0, 0, 0, 0, 0, -columns % lanes]))
@@ -162,7 +165,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                 on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
                 mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks, positions_read=bool(found.positions))
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
-                positions, position_operands = self.position_operands(found.positions, seq, not on_amx)
+                positions, position_operands = self.position_operands(found.positions, batch, seq, not on_amx)
                 result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask, on_amx, positions),
                                                            [*operands, mask if mask is not None else unread(), rows, *position_operands],
                                                            relax.TensorType((batch, seq, heads, dim), "float32")))

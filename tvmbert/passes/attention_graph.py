@@ -19,7 +19,8 @@ class PositionTerm(NamedTuple):
     factor: float
     table: object  # numpy, 2 S - 1 columns
     # The product's right side [B * H, D, R] where it is ``matmul(Q, this)`` (``matmul(K, this)``
-    # by key rows) of the Q (K) the scores read: the kernel can compute the product itself.
+    # by key rows) of the Q (K) the scores read, and alike for every sequence (its head's values
+    # tiled over the batch): the kernel can compute the product itself from its first H rows.
     weights: object = None
 
 
@@ -261,7 +262,7 @@ class Dataflow:
                 left, right = self.values[product].args
                 view = views[1 if transposed else 0]
                 if (self.op_of(left) == "relax.reshape" and self.values[left].args[0].same_as(view) and right.ty.dtype == "float32"
-                        and shape_of(right) == (batch * heads, shape_of(view)[3], shape[2])):
+                        and shape_of(right) == (batch * heads, shape_of(view)[3], shape[2]) and self.tiled_over_batch(right, batch, heads)):
                     weights = right
             terms.append(PositionTerm(product, transposed, factor, table, weights))
             return True
@@ -269,6 +270,26 @@ class Dataflow:
         if not collect(bias, 1.0, False) or sorted(term.by_key for term in terms) not in ([False], [True], [False, True]):
             return ()
         return tuple(sorted(terms, key=lambda term: term.by_key))
+
+    def tiled_over_batch(self, expr, batch: int, heads: int) -> bool:
+        """Whether [B * H, ...] ``expr`` is ``tile(X, [B, 1, ...])`` of an [H, ...] X, through
+        transposes and slices that keep its first axis (DeBERTa's position keys and queries,
+        ``repeat``ed for every sequence): row bh is row bh % H."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        if batch == 1:
+            return True
+        while self.op_of(expr) in ("relax.permute_dims", "relax.strided_slice"):
+            call = self.values[expr]
+            if self.op_of(expr) == "relax.permute_dims" and self.axes(expr)[0] != 0:
+                return False
+            if self.op_of(expr) == "relax.strided_slice" and 0 in [int(axis.value) % len(shape_of(expr)) for axis in call.args[1].fields]:
+                return False
+            expr = call.args[0]
+        if self.op_of(expr) != "relax.tile":
+            return False
+        repeats = [int(r) for r in self.values[expr].attrs.repeats]
+        return repeats == [batch] + [1] * (len(repeats) - 1) and shape_of(self.values[expr].args[0])[0] == heads
 
     def heads_of(self, expr, transposed: bool):
         """(operand, columns, offset, rows, tokens) of a [B, H, S, D] (or, transposed,
