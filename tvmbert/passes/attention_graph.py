@@ -44,7 +44,8 @@ class Attention(NamedTuple):
     window: int | None = None
     # DeBERTa's: a [B * H, S, S] float32 term added to the flat scores (its content-to-position
     # and position-to-content scores, gathered by the graph), and the bool whose True scores are
-    # replaced by the float32 minimum (``where(~mask, min, scores)``). The kernel adds them as one mask.
+    # replaced by the float32 minimum (``where(~mask, min, scores)``). The kernel reads the term's
+    # parts (``positions``) where it finds them, else the term whole, with the bool, as one mask.
     bias: object = None
     excluded: object = None
     # ``bias`` as its gathered terms, one by query rows and one by key rows at most, where its
