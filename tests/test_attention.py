@@ -159,7 +159,7 @@ def test_debertas_position_scores_are_gathered_where_the_kernel_scores(monkeypat
     tables = [rng.integers(0, width, 2 * seq - 1) for _ in range(2)]
     factor = 1 / np.sqrt(3 * dim)
     c2p, p2c = ("c2p" in terms, "p2c" in terms)
-    positions = attention.Positions(factor if c2p else None, factor if p2c else None, width, width, computed)
+    positions = attention.Positions(factor if c2p else None, factor if p2c else None, width if c2p else 1, width if p2c else 1, computed)
     function = attention.kernel(batch, heads, seq, dim, lanes, sources, mask.shape, factor, positions=positions)
     library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))

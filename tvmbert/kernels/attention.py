@@ -333,10 +333,11 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     # The position products the kernel computes (``Positions.weights``): c2p's and p2c's columns, a tile's width of them.
     computed = positions is not None and positions.weights
-    query_columns, key_columns = (positions.query_columns, positions.key_columns) if computed else (lanes, lanes)
+    computes_query, computes_key = (computed and positions.query_factor is not None, computed and positions.key_factor is not None)
+    query_columns = positions.query_columns if computes_query else lanes
+    key_columns = positions.key_columns if computes_key else lanes
     assert query_columns % lanes == 0 and key_columns % lanes == 0, (query_columns, key_columns)
     query_width, key_width = (vectors_per_tile(columns // lanes, lanes) * lanes for columns in (query_columns, key_columns))
-    computes_query, computes_key = (computed and positions.query_factor is not None, computed and positions.key_factor is not None)
     width = max(score_width, out_width, query_width, key_width)
     softmax_width = softmax_vectors(seq, lanes) * lanes
     align = key_alignment(seq, lanes)
