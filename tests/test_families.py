@@ -273,6 +273,18 @@ def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert,
         assert "attention_2x2x64x32_masked_positions_amx" in optimized and "R.Tensor((4, 64, 64)" not in optimized
 
 
+@pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
+@pytest.mark.parametrize("terms", [["c2p"], ["p2c"]])
+def test_a_deberta_with_one_position_term_computes_that_one_in_the_kernel(tvmbert, tmp_path, terms):
+    """``pos_att_type`` may name one of the two terms: the kernel computes and gathers that one alone."""
+    folder = _save(tmp_path / "model", "DebertaV2Model", **dict(DEBERTA_V3_SMALL, hidden_size=64, max_position_embeddings=64, pos_att_type=terms))
+    args = (folder, "--batch", "2", "--seq-len", "64", "--log-dir", str(tmp_path), "--workdir", str(tmp_path / "work"))
+    built = tvmbert("build", *args, "--json")
+    assert built.code == 0 and built.json["attention_kernels"] == ["attention_2x2x64x32_masked_positions"], built.stderr
+    verified = tvmbert("verify", *args, "--samples", "4", "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
+
+
 def test_debertas_position_scores_compute_only_the_relative_positions_the_text_reaches(tvmbert, workdir):
     """4 tokens reach relative positions -3 to 3: 7 of the tiny preset's 16 position columns
     (8 buckets either side), which the c2p and p2c matmuls compute alone (gather-columns), in
