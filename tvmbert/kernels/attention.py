@@ -196,8 +196,9 @@ class Positions:
 
     @staticmethod
     def index(query_table, key_table):
-        """The kernel's [2, 2 S - 1] int32 ``index``: row u holds the columns of query i and key
-        j = i + u - (S - 1), so that a vector of keys reads consecutive entries."""
+        """The kernel's [2, 2 S - 1] int32 ``index``: entry u of each row holds the column of
+        query i and key j = i + u - (S - 1) in its product (row 0 c2p's, row 1 p2c's), so that a
+        vector of keys reads consecutive entries."""
         import numpy as np
 
         return np.stack([np.asarray(query_table)[::-1], np.asarray(key_table)]).astype("int32")

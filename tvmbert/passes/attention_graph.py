@@ -251,8 +251,9 @@ class Dataflow:
             product, index = self.values[expr].args
             index, shape = self.constant(index), shape_of(product)
             if (index is None or shape is None or len(shape) != 3 or shape[:2] != (batch * heads, seq) or product.ty.dtype != "float32"
-                    or index.shape[1:] != (seq, seq) or index.shape[0] not in (1, batch * heads) or not (index == index[:1]).all()):
-                return False
+                    or index.shape != (batch * heads, seq, seq) or not (index == index[:1]).all()
+                    or index.min() < 0 or index.max() >= shape[2]):
+                return False  # (an index of one row would gather P's first row alone, for every head)
             index = index[0]
             table = np.concatenate([index[0, ::-1], index[1:, 0]])  # at a - b + S - 1, from row 0 and column 0
             a, b = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
@@ -387,8 +388,8 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
     scores, scale = graph.scaled(scores)
     if op_of(scores) == "relax.reshape" and shape_of(values[scores].args[0]) == (batch * heads, seq, seq):
         found = graph.flat_scores(values[scores].args[0], batch, heads, seq)  # DeBERTa's [B * H, S, S]
-        if found is None or (found[2] is not None and scale is not None):
-            return None
+        if found is None or (found[2] is not None and scale is not None) or (scale is not None and found[3] is not None):
+            return None  # (a scale outside the flat scores scales DeBERTa's position scores too: not the kernel's sum)
         q_view, k_view, scale, bias = found[0], found[1], found[2] if found[2] is not None else scale, found[3]
         sources = (graph.heads_of(q_view, False), graph.heads_of(k_view, False), graph.heads_of(v, False))
     elif op_of(scores) == "relax.matmul" and shape_of(scores) == (batch, heads, seq, seq):
