@@ -203,6 +203,14 @@ class Positions:
 
         return np.stack([np.asarray(query_table)[::-1], np.asarray(key_table)]).astype("int32")
 
+    def product_rows(self, by_query, by_key, bh, i, j):
+        """TIR: the addresses of query i's row of the c2p product and key j's of the p2c product,
+        where the operands are the products (None for a term the model lacks)."""
+        from tvm.script import tirx as T
+
+        return (T.address_of(by_query[bh, i, 0]) if self.query_factor is not None else None,
+                T.address_of(by_key[bh, j, 0]) if self.key_factor is not None else None)
+
     def scores(self, seq: int, lanes: int, index, i, first, query_row, key_rows):
         """TIR: the position scores of query i and keys first .. first + lanes, a vector, from
         the address of query i's c2p row and key ``first``'s p2c row (the next keys' rows
@@ -441,15 +449,13 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                         product[t * ROWS + i, c * tile_width + x] = acc_top[i, x] * T.float32(factor)
                         product[t * ROWS + half + i, c * tile_width + x] = acc_bottom[i, x] * T.float32(factor)
 
-    def query_row(by_query, query_products, bh, i, local):  # the address of query i's c2p row, ``local`` in the block
-        if positions.query_factor is None:
-            return None
-        return T.address_of(query_products[local, 0]) if computed else T.address_of(by_query[bh, i, 0])
-
-    def key_rows(by_key, key_products, bh, j):  # the address of key j's p2c row
-        if positions.key_factor is None:
-            return None
-        return T.address_of(key_products[j, 0]) if computed else T.address_of(by_key[bh, j, 0])
+    def product_rows(by_query, by_key, query_products, key_products, bh, i, local, j):
+        """The addresses of query i's c2p row (``local`` in the block) and key j's p2c row: in the
+        products the kernel computed, or in the operands."""
+        if not computed:
+            return positions.product_rows(by_query, by_key, bh, i, j)
+        return (T.address_of(query_products[local, 0]) if computes_query else None,
+                T.address_of(key_products[j, 0]) if computes_key else None)
 
     @T.macro
     def position_scores(by_query, by_key, index, query_products, key_products, scores, bh, b0, kb):
@@ -457,8 +463,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         for c in range(keys_first(b0, kb) // lanes, keys_end(b0, kb) // lanes):
             for i in range(block_rows):
                 scores[i, T.Ramp(c * lanes - kb * keys, 1, lanes)] = positions.scores(
-                    seq, lanes, index, b0 * block_rows + i, c * lanes, query_row(by_query, query_products, bh, b0 * block_rows + i, i),
-                    key_rows(by_key, key_products, bh, c * lanes))
+                    seq, lanes, index, b0 * block_rows + i, c * lanes,
+                    *product_rows(by_query, by_key, query_products, key_products, bh, b0 * block_rows + i, i, c * lanes))
 
     @T.macro
     def output_start(out, rescale, acc, local, c):  # what the blocks of keys before this one summed, rescaled
@@ -670,12 +676,6 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     # With position scores, a loop before the mask's scales the scores and adds them (gathers, whole vectors).
     scale_by_then = scale_by if positions is None else T.float32(1.0)
 
-    def query_row(by_query, bh, i):  # the address of query i's c2p row
-        return T.address_of(by_query[bh, i, 0]) if positions.query_factor is not None else None
-
-    def key_rows(by_key, bh, j):  # the address of key j's p2c row
-        return T.address_of(by_key[bh, j, 0]) if positions.key_factor is not None else None
-
     @T.macro
     def zero_block():
         for tile in T.unroll(4):
@@ -748,8 +748,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     if positions is not None:
                         for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                             scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(scale_by, lanes) \
-                                + positions.scores(seq, lanes, index, i0 * TILE + i, c * lanes, query_row(by_query, bh, i0 * TILE + i),
-                                                   key_rows(by_key, bh, c * lanes))
+                                + positions.scores(seq, lanes, index, i0 * TILE + i, c * lanes,
+                                                   *positions.product_rows(by_query, by_key, bh, i0 * TILE + i, c * lanes))
                     for x in T.vectorized(lanes):
                         partial[x] = T.float32(-3.4028234663852886e38)
                     for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
