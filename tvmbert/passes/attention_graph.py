@@ -435,21 +435,23 @@ def mask_operand(builder, found: Attention, visit, padding_masks: dict, position
     from tvm import relax
 
     batch, heads, seq, _ = found.shape
+
+    def made_once(var, make):  # the additive mask of a bool every layer reads, made for the first
+        if var not in padding_masks:
+            padding_masks[var] = make(visit(var))
+        return padding_masks[var]
+
     term = None
     if found.padding is not None:
-        if found.padding not in padding_masks:
-            padding_masks[found.padding] = padding_mask(builder, visit(found.padding))
-        term = padding_masks[found.padding]
+        term = made_once(found.padding, lambda padding: padding_mask(builder, padding))
     elif found.mask is not None:
         term = visit(found.mask)
     if found.bias is not None and not positions_read:
         bias = builder.emit(relax.op.reshape(visit(found.bias), (batch, heads, seq, seq)))
         term = bias if term is None else builder.emit(relax.op.add(bias, term))
     if found.excluded is not None and term is None:
-        if found.excluded not in padding_masks:
-            padding_masks[found.excluded] = builder.emit(relax.op.where(visit(found.excluded), relax.const(MASKED, "float32"),
-                                                                        relax.const(0.0, "float32")))
-        term = padding_masks[found.excluded]
+        term = made_once(found.excluded, lambda excluded: builder.emit(relax.op.where(excluded, relax.const(MASKED, "float32"),
+                                                                                      relax.const(0.0, "float32"))))
     elif found.excluded is not None:
         term = builder.emit(relax.op.where(visit(found.excluded), relax.const(MASKED, "float32"), term))
     return term
