@@ -210,6 +210,27 @@ def test_position_tables_hold_transformers_numbers(name):
     assert got.shape == want.shape and torch.equal(got, want)
 
 
+def test_modernberts_float64_reference_masks_padding_and_its_window_as_transformers_does():
+    """The float64 model (its softmax in float64, ``exact.FLOAT64_ATTENTION``) against
+    transformers' own eager model in float32, on padded rows 20 tokens long (the tiny preset's
+    window is 4 either side): transformers makes no mask for an attention it has no mask
+    function for, so without one registered the float64 model saw the padding and no window."""
+    import transformers
+
+    source = models.resolve("modernbert-tiny")
+    torch.manual_seed(0)
+    plain = transformers.ModernBertModel(models.preset_config("modernbert-tiny")).eval()
+    exact = models.load(source, "float64")
+    ids = torch.randint(5, source.vocab_size, (2, 20))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, 13:] = 0
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask).last_hidden_state.double()
+        got = exact(ids, mask)[0]
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max() < 1e-5
+
+
 def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path, monkeypatch):
     """A family's table entry says which of our kernels its graph cannot take, and why: build says
     so where the kernel is in the pipeline and did not apply (every family takes them all today)."""
@@ -226,8 +247,8 @@ def test_build_names_the_kernels_a_family_cannot_take(tvmbert, tmp_path, monkeyp
     assert built.code == 0, built.stderr
     assert built.json["kernels_not_applied"] == {"attention": "its attention is not the kernel's"}
     assert "do not apply to deberta-v2" in built.stderr and "not the kernel's" in built.stderr
-    assert_one_line_error(tvmbert("build", "modernbert-tiny", "--batch", "2", "--tokens", "20"),
-                          "packed builds of modernbert models are not supported yet")
+    assert_one_line_error(tvmbert("build", "deberta-v3-tiny", "--batch", "2", "--tokens", "20"),
+                          "packed builds of deberta-v2 models are not supported yet")
 
 
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")

@@ -19,33 +19,33 @@ from helpers import HOST_LANES, QKV_PANEL, assert_one_line_error, run_without_to
 BATCH, SEQ_LEN, TOKENS = 4, 16, 32
 
 
-def mixed_rows(inputs: int, lengths=(SEQ_LEN, 1, 9, 5), width: int = SEQ_LEN, seed: int = 0):
+def mixed_rows(inputs: int, lengths=(SEQ_LEN, 1, 9, 5), width: int = SEQ_LEN, seed: int = 0, vocab: int = 30522):
     """Rows of the given lengths padded to ``width``, an interior token of row 2 masked."""
     rng = np.random.default_rng(seed)
     mask = (np.arange(width)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
     if len(lengths) > 2:
         mask[2, 3] = 0
-    ids = rng.integers(1000, 30522, (len(lengths), width)) * (np.arange(width)[None, :] < np.array(lengths)[:, None])
+    ids = rng.integers(vocab // 30, vocab, (len(lengths), width)) * (np.arange(width)[None, :] < np.array(lengths)[:, None])
     segments = rng.integers(0, 2, ids.shape) * mask
     return [ids, mask, segments][:inputs]
 
 
-def pytorch(source, arrays):
+def pytorch(source, arrays, dtype: str = "float32"):
     import torch
 
     with torch.no_grad():
-        return [t.numpy() for t in models.load(source)(*(torch.from_numpy(a) for a in arrays))]
+        return [t.numpy() for t in models.load(source, dtype)(*(torch.from_numpy(a) for a in arrays))]
 
 
-def assert_equal_on_real_tokens(got, want, lengths, per_token):
+def assert_equal_on_real_tokens(got, want, lengths, per_token, tolerance: float = 1e-4):
     real = np.arange(got[0].shape[1])[None, :] < np.array(lengths)[:, None]
     for have, expected, token_rows in zip(got, want, per_token):
         assert have.shape == expected.shape
         if token_rows:
-            assert np.abs(have[real] - expected[real]).max() < 1e-4
+            assert np.abs(have[real] - expected[real]).max() < tolerance
             assert not have[~real].any()  # zeros past each row's length
         else:
-            assert np.abs(have - expected).max() < 1e-4
+            assert np.abs(have - expected).max() < tolerance
 
 
 @pytest.mark.parametrize("model", ["bert-tiny", "distilbert-tiny"])
@@ -70,6 +70,23 @@ def test_a_packed_build_equals_the_padded_pytorch_model_on_the_real_tokens(workd
     whole[1][1] = 0
     with pytest.raises(InputError, match="row 1 is masked whole"):
         compiled(whole)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_packed_modernbert_attends_within_each_sequence_and_its_window(workdir, dtype):
+    """ModernBERT was made for unpadded batches: rotary positions counted from each row's start,
+    its global layers over the row's keys, its local ones over those within the window (4 either
+    side in the tiny preset: at 16 tokens it cuts), the window computed by the attention kernel in
+    the packed grid; the padded model's outputs on the real tokens, fp64 to 1e-10."""
+    job = Job(JobConfig(model="modernbert-tiny", batch=BATCH, seq_len=SEQ_LEN, tokens=TOKENS, dtype=dtype, workdir=str(workdir)))
+    built = build(job)
+    if dtype == "float32" and HOST_LANES:
+        assert sorted(built.meta["attention_kernels"]) == [f"attention_{BATCH}x2x{SEQ_LEN}x32_masked_packed{TOKENS}",
+                                                           f"attention_{BATCH}x2x{SEQ_LEN}x32_masked_window4_packed{TOKENS}"]
+    compiled = CompiledModel(built, job)
+    arrays = mixed_rows(len(job.source.inputs), vocab=job.source.vocab_size)
+    assert_equal_on_real_tokens(compiled(arrays), pytorch(job.source, arrays, dtype), [SEQ_LEN, 1, 9, 5], compiled.per_token,
+                                1e-4 if dtype == "float32" else 1e-10)
 
 
 def test_roberta_positions_count_the_non_pad_tokens_as_transformers_does():

@@ -40,6 +40,9 @@ class Family:
     # packing.POSITIONS key), and its pooler applied to each sequence's first token.
     positions: str = "index"
     pool: Callable = _pooler
+    # The attention mask a packed build gives the model (frontend/packed_attention.py), from the
+    # [batch, seq_len] grid's keys that count.
+    packed_mask: Callable = lambda config, key_mask, dtype: _additive_key_mask(key_mask, dtype)
     # Why packed builds refuse this family, where they do: its attention is not the one
     # packed_attention.py replaces per sequence.
     not_packable: str = ""
@@ -58,6 +61,27 @@ class Family:
     # The keys each layer's queries attend to, from its config: None for every key, else a local
     # window's width (what bench's FLOPs and floor count: a local layer computes no more).
     attention_keys: Callable = lambda config: (None,) * config.num_hidden_layers
+
+
+def _additive_key_mask(key_mask, dtype):
+    """[batch, 1, 1, seq_len]: 0 at a key that counts, the dtype's minimum at one that does not."""
+    import torch
+
+    return ((1.0 - key_mask.to(dtype)) * torch.finfo(dtype).min)[:, None, None, :]
+
+
+def _modernbert_packed_masks(config, key_mask, dtype) -> dict:
+    """Its model takes a mask per layer type: the key mask for its global layers, and for its
+    local ones the keys that count within ``local_attention // 2`` positions of the query, in the
+    form its padded masks take (``where(keys & |i - j| <= w, 0, min)``), from which the attention
+    kernel computes only the window's scores."""
+    import torch
+
+    seq_len = key_mask.shape[1]
+    positions = torch.arange(seq_len)
+    window = (positions.view(1, 1, seq_len, 1) - positions.view(1, 1, 1, seq_len)).abs() <= config.local_attention // 2
+    local = torch.where(key_mask.bool()[:, None, None, :] & window, torch.tensor(0.0, dtype=dtype), torch.finfo(dtype).min)
+    return {"full_attention": _additive_key_mask(key_mask, dtype), "sliding_attention": local}
 
 
 def _modernbert_keys(config) -> tuple[int | None, ...]:
@@ -86,8 +110,7 @@ FAMILIES: dict[str, Family] = {
     # local_attention tokens) in two layers of three. No segment ids, no pooler.
     "modernbert": Family("ModernBertConfig", "ModernBert", inputs=("input_ids", "attention_mask"),
                          layers=lambda base: base.layers, position_tables="rotary", softmax_in_float32=True,
-                         attention_keys=_modernbert_keys,
-                         not_packable="its local layers' window is not in the packed attention",
+                         attention_keys=_modernbert_keys, packed_mask=_modernbert_packed_masks,
                          layer_not_alone="its layers take the rotary cos/sin and a per-layer-type mask as well"),
     # DeBERTa-v3's model_type. Disentangled attention: content-to-position and position-to-content
     # scores from relative-position buckets. v3 configs have type_vocab_size 0: no segment ids.

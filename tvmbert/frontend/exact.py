@@ -76,8 +76,12 @@ def _eager_attention_float64(module, query, key, value, attention_mask, scaling,
 
 
 def float64_attention() -> str:
-    """Registers ``FLOAT64_ATTENTION`` with transformers and returns its name."""
+    """Registers ``FLOAT64_ATTENTION`` with transformers, with eager attention's masks, and returns
+    its name. (transformers makes no mask at all for an attention it has no mask function for:
+    every key, padding included, and ModernBERT's local layers without their window.)"""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(FLOAT64_ATTENTION, _eager_attention_float64)
+    AttentionMaskInterface.register(FLOAT64_ATTENTION, eager_mask)
     return FLOAT64_ATTENTION

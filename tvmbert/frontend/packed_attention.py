@@ -52,11 +52,11 @@ def load_packed(source: ModelSource, dtype: str = "float32", seed: int = 0):
 
         def forward(self, input_ids, position_ids, token_slot, gather_index, key_mask, token_type_ids=None):
             """Named as the compiled model's inputs are (torch.export takes the names from here)."""
-            mask = (1.0 - key_mask.to(self.model.dtype)) * torch.finfo(self.model.dtype).min
+            mask = family.packed_mask(self.model.config, key_mask, self.model.dtype)
             given = {"input_ids": input_ids[None], "position_ids": position_ids[None]}
             if token_type_ids is not None:
                 given["token_type_ids"] = token_type_ids[None]
-            out = self.model(**given, attention_mask=mask[:, None, None, :], token_slot=token_slot, gather_index=gather_index)
+            out = self.model(**given, attention_mask=mask, token_slot=token_slot, gather_index=gather_index)
             results = []
             for name in self.output_names:
                 if name in per_token:

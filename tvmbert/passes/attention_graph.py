@@ -351,7 +351,7 @@ class Dataflow:
         if found is None or found[3] is not None or shape_of(heads_view)[0] != 1 or rows.ty.dtype != "int64":
             return None
         tokens = shape_of(heads_view)[2]
-        return (*found[:3], rows, tokens)
+        return (*found[:3], rows, tokens, *found[5:])  # (head-major, where the graph computed it)
 
 
 def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
@@ -404,10 +404,8 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
         return None  # Q, K and V gathered alike, or not at all
     head_major = tuple(len(s) > 5 for s in sources)
     padding, window = (graph.padding_and_window(mask, batch, seq) or (None, None)) if mask is not None else (None, None)
-    if padding is not None and sources[0][3] is None:
+    if padding is not None:
         mask = None
-    else:
-        padding, window = None, None
     positions = graph.position_terms(bias, batch, heads, seq, (q_view, k_view)) if bias is not None else ()
     return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4], head_major, padding,
                      window, bias, excluded, positions)
