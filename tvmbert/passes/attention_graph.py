@@ -331,7 +331,8 @@ class Dataflow:
 
     def gathered_heads(self, view):
         """The packed build's ``reshape(take(take(X, 0, axis=0), rows, axis=1), [H, B, S, D])``
-        of a [1, H, T, D] head-major view X."""
+        of a [1, H, T, D] head-major view X, or of such a value the graph computes (ModernBERT's
+        rotary Q and K)."""
         import tvm
 
         from tvmbert.ir.dataflow import static_shape as shape_of
@@ -351,7 +352,7 @@ class Dataflow:
         if found is None or found[3] is not None or shape_of(heads_view)[0] != 1 or rows.ty.dtype != "int64":
             return None
         tokens = shape_of(heads_view)[2]
-        return (*found[:3], rows, tokens, *found[5:])  # (head-major, where the graph computed it)
+        return (*found[:3], rows, tokens, *found[5:])
 
 
 def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
