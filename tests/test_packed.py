@@ -83,6 +83,8 @@ def test_a_packed_modernbert_attends_within_each_sequence_and_its_window(workdir
     if dtype == "float32" and HOST_LANES:
         assert sorted(built.meta["attention_kernels"]) == [f"attention_{BATCH}x2x{SEQ_LEN}x32_masked_packed{TOKENS}",
                                                            f"attention_{BATCH}x2x{SEQ_LEN}x32_masked_window4_packed{TOKENS}"]
+        optimized = (workdir / "modernbert-tiny" / f"b{BATCH}-s{SEQ_LEN}-t{TOKENS}-float32" / "optimize" / "module.py").read_text()
+        assert f"R.Tensor(({BATCH}, 1, {SEQ_LEN}, {SEQ_LEN})" not in optimized  # the window is the kernel's, no mask of it
     compiled = CompiledModel(built, job)
     arrays = mixed_rows(len(job.source.inputs), vocab=job.source.vocab_size)
     assert_equal_on_real_tokens(compiled(arrays), pytorch(job.source, arrays, dtype), [SEQ_LEN, 1, 9, 5], compiled.per_token,
