@@ -70,24 +70,30 @@ def _additive_key_mask(key_mask, dtype):
     return ((1.0 - key_mask.to(dtype)) * torch.finfo(dtype).min)[:, None, None, :]
 
 
+def _modernbert_reach(config) -> int:
+    """How many positions either side of its query a ModernBERT local layer's keys lie:
+    ``local_attention // 2`` (transformers' window mask, ``|i - j| <= sliding_window``)."""
+    return config.local_attention // 2
+
+
 def _modernbert_packed_masks(config, key_mask, dtype) -> dict:
     """Its model takes a mask per layer type: the key mask for its global layers, and for its
-    local ones the keys that count within ``local_attention // 2`` positions of the query, in the
-    form its padded masks take (``where(keys & |i - j| <= w, 0, min)``), from which the attention
-    kernel computes only the window's scores."""
+    local ones the keys that count within its reach of the query, in the form its padded masks
+    take (``where(keys & |i - j| <= w, 0, min)``), from which the attention kernel computes only
+    the window's scores."""
     import torch
 
     seq_len = key_mask.shape[1]
     positions = torch.arange(seq_len)
-    window = (positions.view(1, 1, seq_len, 1) - positions.view(1, 1, 1, seq_len)).abs() <= config.local_attention // 2
+    window = (positions.view(1, 1, seq_len, 1) - positions.view(1, 1, 1, seq_len)).abs() <= _modernbert_reach(config)
     local = torch.where(key_mask.bool()[:, None, None, :] & window, torch.tensor(0.0, dtype=dtype), torch.finfo(dtype).min)
     return {"full_attention": _additive_key_mask(key_mask, dtype), "sliding_attention": local}
 
 
 def _modernbert_keys(config) -> tuple[int | None, ...]:
     """Its ``full_attention`` layers see every key; its ``sliding_attention`` ones those within
-    ``local_attention // 2`` either side (transformers' window mask)."""
-    return tuple(None if kind == "full_attention" else config.local_attention // 2 * 2 + 1 for kind in config.layer_types)
+    its reach either side."""
+    return tuple(None if kind == "full_attention" else 2 * _modernbert_reach(config) + 1 for kind in config.layer_types)
 
 
 FAMILIES: dict[str, Family] = {
