@@ -62,14 +62,16 @@ def row_blocks(m: int, rows: int, row_bytes: int, block_rows: int | None = None)
     return block_tiles, max(1, -(-all_tiles // block_tiles)), min(block_tiles, all_tiles)
 
 
-def tile(n: int, lanes: int) -> tuple[int, int] | None:
+def tile(n: int, lanes: int, gated: bool = False) -> tuple[int, int] | None:
     """(rows, vectors) of the accumulator tile for N columns and the target's vector lanes: as
     many accumulators as leave a register per weight vector and one for the broadcast (32 vector
     registers with AVX-512, 16 with AVX2), or None when N is not a multiple of the lanes. With
     AVX-512, 6 x 4 where N allows (10 loads per 24 FMAs against 8 x 3's 11: bert-base's four
-    matmuls at 8 x 128, 2 threads, alone: 1-4% faster), else 8 x 3, 8 x 2, 8 x 1."""
+    matmuls at 8 x 128, 2 threads, alone: 1-4% faster), else 8 x 3, 8 x 2, 8 x 1. ``gated``:
+    an even number of vectors, half of them the activated columns and half their gates."""
     shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((4, 3), (4, 2), (4, 1))
-    return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
+    return next(((rows, vectors) for rows, vectors in shapes
+                 if n % (vectors * lanes) == 0 and (not gated or vectors % 2 == 0)), None)
 
 
 def whole(buffer):
@@ -99,25 +101,29 @@ def prefetch_to_l2(address):
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, panel_major: bool = False, block_rows: int | None = None):
+           residual: bool = False, panel_major: bool = False, block_rows: int | None = None, gated: bool = False):
     """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
     packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) any row count (the
     rows past the last whole tile take a tile of their own); ``act`` one of ``ACTIVATIONS`` or
     none; without ``residual``, r is one unread float. ``panel_major`` (no residual) writes y as
     ``y[n / width, m, width]``: each panel's columns of all rows together (``passes/fma_fp32.panel_major_variant``).
-    The rows go a block at a time (``block_rows``, by default what ``BLOCK_BYTES`` holds), every
-    panel done on a block before the next block starts."""
+    ``gated`` (a GLU: ModernBERT's GeGLU) writes ``y[*lead, n / 2] = act(first half) * second
+    half`` of each panel's columns, W's and b's columns interleaved so that each panel holds
+    ``width / 2`` activated columns and their gates (``passes/fma_fp32.gates_beside_inputs``):
+    the product's other half is never written. The rows go a block at a time (``block_rows``, by
+    default what ``BLOCK_BYTES`` holds), every panel done on a block before the next block starts."""
     import tvm
     from tvm.script import tirx as T
 
-    assert not (panel_major and residual)
+    assert not (panel_major and residual) and not (gated and (residual or panel_major or not activation))
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
     lead = tuple(lead) if lead else (m,)
     residual_shape = (*lead, n) if residual else (1,)
 
-    rows, vectors = tile(n, lanes)
+    rows, vectors = tile(n, lanes, gated)
     width = vectors * lanes
-    y_shape = (n // width, m, width) if panel_major else (*lead, n)
+    half = vectors // 2  # a gated panel's activated vectors, then as many gates
+    y_shape = (n // width, m, width) if panel_major else (*lead, n // 2 if gated else n)
 
     panels, tiles, last_rows = n // width, m // rows, m % rows
     k_block = max(d for d in range(1, 17) if k % d == 0)  # k steps unrolled between prefetches
@@ -150,9 +156,12 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     @T.macro
     def store(b, rf, yf, acc, p, first_row, group):
         for i in T.unroll(group):
-            for v in T.unroll(vectors):
+            for v in T.unroll(half if gated else vectors):
                 for j in T.vectorized(lanes):
-                    if residual:
+                    if gated:
+                        yf[first_row + i, p * (width // 2) + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j]) \
+                            * (acc[i, (v + half) * lanes + j] + b[p * width + (v + half) * lanes + j])
+                    elif residual:
                         yf[first_row + i, p * width + v * lanes + j] = acc[i, v * lanes + j] \
                             + b[p * width + v * lanes + j] + rf[first_row + i, p * width + v * lanes + j]
                     elif panel_major:
@@ -199,7 +208,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 T.writes(whole(y))
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
-                yf = T.decl_buffer((n // width, m, width) if panel_major else (m, n), "float32", data=y.data)
+                yf = T.decl_buffer((n // width, m, width) if panel_major else (m, n // 2 if gated else n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "float32", data=wp.data)
                 for blk in range(blocks):
                     for p in T.parallel(panels):

@@ -34,7 +34,7 @@ def amx_matmuls():
     class Rewriter(relax.PyExprMutator):
         def __init__(self, module):
             super().__init__(module)
-            self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype:
+            self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype, _gated:
                                            bf16_kernel(m, n, k, lead, activation, residual, out_dtype))
             self.weights = set()
             self.epilogues = None
@@ -52,7 +52,7 @@ def amx_matmuls():
                 return None
             return sizes
 
-        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype):
+        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype, _gate=None):
             lead, n, k = sizes
             laid_out = self.builder_.emit(weight_in_vnni_layout(weight))
             kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)

@@ -36,11 +36,28 @@ def weight_in_panels(weight, width: int):
     return relax.op.permute_dims(relax.op.reshape(weight, (k, n // width, width)), [1, 0, 2])
 
 
+def gates_beside_inputs(weight, activated_half: int, chunk: int):
+    """Relax: a GLU's W[K, N] (or its bias b[N]) with the activated half's columns first and
+    the columns reordered so that every ``2 * chunk`` hold ``chunk`` activated columns, then
+    their ``chunk`` gates: what the gated kernel's panels take (``kernels/fma.kernel``). A
+    function of the weight alone, which bind-params lifts into the build-time weight transform."""
+    from tvm import relax
+
+    shape = [int(d) for d in weight.ty.shape]
+    n = shape[-1]
+    halves = relax.op.reshape(weight, (*shape[:-1], 2, n // 2 // chunk, chunk))
+    if activated_half:
+        halves = relax.op.flip(halves, axis=len(shape) - 1)
+    axes = list(range(len(shape) + 2))
+    axes[len(shape) - 1], axes[len(shape)] = axes[len(shape)], axes[len(shape) - 1]
+    return relax.op.reshape(relax.op.permute_dims(halves, axes), shape)
+
+
 def fma_matmuls(lanes: int, min_rows: int):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
     ``min_rows`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
-    call of the kernel on W in panels, together with the activation or the residual add that follows
-    it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
+    call of the kernel on W in panels, together with the activation, the gated activation or the
+    residual add that follows it, if any (``kernel_calls.Epilogues``). Everything else is left as it is."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count
@@ -49,13 +66,18 @@ def fma_matmuls(lanes: int, min_rows: int):
     def takes(lead, n, _k):
         return row_count(lead) >= min_rows and tile(n, lanes) is not None
 
-    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual):
+    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual, gate):
         lead, n, k = sizes
-        _, vectors = tile(n, lanes)
+        gated = gate is not None
+        _, vectors = tile(n, lanes, gated)
+        if gated:
+            weight = rewriter.builder_.emit(gates_beside_inputs(weight, gate, vectors * lanes // 2))
+            bias = rewriter.builder_.emit(gates_beside_inputs(bias, gate, vectors * lanes // 2))
         laid_out = rewriter.builder_.emit(weight_in_panels(weight, vectors * lanes))
-        kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32")
+        kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32", gated)
         return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(laid_out, bias, residual)],
-                              relax.TensorType((*lead, n), "float32"))
+                              relax.TensorType((*lead, n // 2 if gated else n), "float32"))
 
-    return fp32_weight_matmul_pass("FmaFp32Matmuls", "fma_matmul_", lambda m, lead, n, k, activation, residual, _:
-                                   kernel(m, n, k, lanes, lead, activation, residual), takes, call_kernel)
+    return fp32_weight_matmul_pass("FmaFp32Matmuls", "fma_matmul_", lambda m, lead, n, k, activation, residual, _, gated:
+                                   kernel(m, n, k, lanes, lead, activation, residual, gated=gated), takes, call_kernel,
+                                   takes_gate=lambda sizes: tile(sizes[1], lanes, True) is not None)

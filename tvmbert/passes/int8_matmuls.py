@@ -66,7 +66,7 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     def takes(_lead, n, k):
         return fits(n, k, lanes)
 
-    def make_kernel(m, lead, n, k, activation, residual, _out_dtype):
+    def make_kernel(m, lead, n, k, activation, residual, _out_dtype, _gated):
         if on_amx(n, k):
             return amx.int8_kernel(m, n, k, lead, activation, residual)
         return kernel(m, n, k, lanes, lead, activation, residual, dot=dot)
@@ -79,7 +79,7 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
             rewriter.cache[key] = rewriter.builder_.add_func(function.without_attr("global_symbol"), name)
         return rewriter.cache[key]
 
-    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual):
+    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual, _gate):
         lead, n, k = sizes
         m = row_count(lead)
         rows = amx.padded_rows(m) if on_amx(n, k) else None

@@ -46,16 +46,23 @@ class Epilogues:
     the attention output's and the FFN's: kernels of their own otherwise, each a pass over the rows), where
     ``takes_residual(sizes)`` (the kernel adds it as it stores, and the rows need no padding).
 
+    Or a gated activation, one of ``gated_activations``: ``act(one half) * the other half`` of
+    the sum (a view of it) split in two along its columns (ModernBERT's GeGLU), where
+    ``takes_gate(sizes)``, the kernel then writing that product alone, half the sum's columns
+    (``gates`` says which half is activated).
+
     And a cast of the (activated) sum to one of ``output_dtypes``, its only use, makes the kernel
     write that dtype (bf16 for the next matmul: no cast kernel over the FFN's activations).
 
     ``fits(call)`` says which matmuls the kernel takes (their sizes, or None); the rewriter calls
     ``visit_binding`` first for every binding and emits nothing more where it returns True."""
 
-    def __init__(self, function, weights: set, fits, activations, takes_residual, output_dtypes=()):
+    def __init__(self, function, weights: set, fits, activations, takes_residual, output_dtypes=(), gated_activations=(),
+                 takes_gate=lambda sizes: False):
         from tvm import relax
 
         bindings, values, uses = dataflow(function)
+        self.values, self.uses = values, uses
 
         def op_of(value):
             return getattr(getattr(value, "op", None), "name", None)
@@ -66,7 +73,8 @@ class Epilogues:
         self.activated = {}  # var -> the add's var whose kernel result it is (reshaped)
         self.residual = {}  # the add's var -> the residual added to it
         self.out_dtype = {}  # the add's var -> the dtype its kernel writes, where not float32
-        self.skipped = set()  # views of a sum only its residual add used: nothing to emit
+        self.skipped = set()  # views of a sum only its residual add (or its gated activation) used: nothing to emit
+        self.gates = {}  # the add's var -> which half of its columns is activated (0 or 1), the other half gating it
         for binding in bindings:
             if not isinstance(binding.var, relax.DataflowVar) or op_of(binding.value) != "relax.add":
                 continue  # a block's output keeps its binding
@@ -103,6 +111,13 @@ class Epilogues:
                 self.activation[reshape.args[0]] = op_of(binding.value)
                 self.activated[binding.var] = reshape.args[0]
         for binding in bindings:
+            if (gated_activations and isinstance(binding.var, relax.DataflowVar) and op_of(binding.value) == "relax.multiply"
+                    and (gate := self.gated(binding.value, gated_activations, takes_gate)) is not None):
+                total, activation, activated_half, views = gate
+                self.activation[total], self.gates[total] = activation, activated_half
+                self.activated[binding.var] = total
+                self.skipped.update(views)
+        for binding in bindings:
             source = binding.value.args[0] if op_of(binding.value) == "relax.reshape" else None
             if (source in self.activated and uses.get(source) == 1
                     and list(binding.var.ty.shape) == list(self.activated[source].ty.shape)):
@@ -119,9 +134,49 @@ class Epilogues:
                 self.skipped.add(source)
             self.activated[binding.var] = total
 
+    def gated(self, product, activations, takes_gate):
+        """(the sum, the activation, its half, the views between them) where ``product`` is
+        ``act(half a) * half 1 - a`` of a sum split in two equal halves along its columns, every
+        value between read once (by the next); None for anything else."""
+        from tvm import relax
+
+        from tvmbert.ir.dataflow import static_shape
+
+        values, uses = self.values, self.uses
+
+        def op_of(value):
+            return getattr(getattr(value, "op", None), "name", None) if isinstance(value, relax.Call) else None
+
+        for activated, gate in (product.args, product.args[::-1]):
+            applied = values.get(activated)
+            if op_of(applied) not in activations or uses.get(activated) != 1:
+                continue
+            item = applied.args[0]
+            first, second = values.get(item), values.get(gate)
+            if not (isinstance(first, relax.TupleGetItem) and isinstance(second, relax.TupleGetItem)
+                    and first.tuple_value.same_as(second.tuple_value) and {int(first.index), int(second.index)} == {0, 1}
+                    and uses.get(item) == 1 and uses.get(gate) == 1 and uses.get(first.tuple_value) == 2):
+                continue
+            split = values.get(first.tuple_value)
+            shape = static_shape(split.args[0]) if op_of(split) == "relax.split" else None
+            if not shape or int(split.attrs.axis) % len(shape) != len(shape) - 1:
+                continue
+            sections = split.attrs.indices_or_sections
+            halves = int(getattr(sections, "value", sections)) == 2 if not hasattr(sections, "__len__") else \
+                [int(s) for s in sections] == [shape[-1] // 2] and shape[-1] % 2 == 0
+            view = split.args[0]
+            total = values[view].args[0] if op_of(values.get(view)) == "relax.reshape" and uses.get(view) == 1 else view
+            if (not halves or total not in self.sums or uses.get(total) != 1 or total in self.residual
+                    or total in self.activation or static_shape(total)[-1] != shape[-1] or not takes_gate(self.sums[total][2])):
+                continue
+            views = {first.tuple_value, item, gate, activated} | ({view} if view is not total else set())
+            return total, op_of(applied), int(first.index), views
+        return None
+
     def visit_binding(self, mutator, binding, call_kernel) -> bool:
-        """``call_kernel(x, weight, bias, sizes, activation, residual, out_dtype) -> call`` for an
-        add this folds (residual: the residual as [*lead, n], or None)."""
+        """``call_kernel(x, weight, bias, sizes, activation, residual, out_dtype, gate) -> call``
+        for an add this folds (residual: the residual as [*lead, n], or None; gate: the activated
+        half of a gated activation's columns, or None)."""
         import numpy as np
         from tvm import relax
 
@@ -142,28 +197,28 @@ class Epilogues:
             residual = mutator.builder_.emit(relax.op.reshape(mutator.visit_expr(residual), (*sizes[0], sizes[1])))
         bias = mutator.visit_expr(bias) if bias is not None else relax.const(np.zeros(sizes[1], "float32"))
         call = call_kernel(x, weight, bias, sizes, self.activation.get(binding.var), residual,
-                           self.out_dtype.get(binding.var, "float32"))
+                           self.out_dtype.get(binding.var, "float32"), self.gates.get(binding.var))
         mutator.set_var_remap(binding.var, mutator.builder_.emit(call))
         return True
 
 
 class KernelFunctions:
     """The PrimFuncs a rewrite adds to the module: one per shape and epilogue, made by
-    ``make(m, lead, n, k, activation, residual, out_dtype)`` once and named after what it does
-    (``<prefix><lead>x<n>x<k>[_gelu][_residual][_to_bfloat16]``)."""
+    ``make(m, lead, n, k, activation, residual, out_dtype, gated)`` once and named after what it
+    does (``<prefix><lead>x<n>x<k>[_gelu][_gated][_residual][_to_bfloat16]``)."""
 
     def __init__(self, prefix: str, make):
         self.prefix, self.make, self.added = prefix, make, {}
 
-    def for_sizes(self, builder, n: int, k: int, activation: str | None, residual: bool, out_dtype: str):
+    def for_sizes(self, builder, n: int, k: int, activation: str | None, residual: bool, out_dtype: str, gated: bool = False):
         """``kernel_for(m, lead)`` as ``call_with_padded_rows`` takes it."""
         def kernel_for(m, lead):
-            key = (*lead, n, k, activation, residual, out_dtype)
+            key = (*lead, n, k, activation, residual, out_dtype, gated)
             if key not in self.added:
                 name = self.prefix + "x".join(str(d) for d in (*lead, n, k)) \
-                    + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_residual" if residual else "") \
-                    + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
-                function = self.make(m, lead, n, k, activation, residual, out_dtype)
+                    + (f"_{activation.rsplit('.', 1)[-1]}" if activation else "") + ("_gated" if gated else "") \
+                    + ("_residual" if residual else "") + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
+                function = self.make(m, lead, n, k, activation, residual, out_dtype, gated)
                 self.added[key] = builder.add_func(function.without_attr("global_symbol"), name)
             return self.added[key]
         return kernel_for
@@ -175,13 +230,14 @@ def kernel_operands(weight, bias, residual) -> list:
     return [weight, bias, residual if residual is not None else unread()]
 
 
-def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_kernel):
+def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_kernel, takes_gate=None):
     """The module pass of a kernel that takes fp32 ``add(matmul(x, W), b)`` with the activation or
-    residual add after it (``Epilogues``; ``fma-fp32``, ``int8-matmuls``): the matmuls whose
-    ``(lead, n, k)`` ``takes``, each replaced by ``call_kernel(rewriter, x, weight, bias, sizes,
-    activation, residual)``, which emits on ``rewriter.builder_`` and finds the kernel's functions
-    in ``rewriter.kernels`` (``KernelFunctions(prefix, make_kernel)``) and a dict of its own in
-    ``rewriter.cache``. Everything else is left as it is."""
+    residual add after it (``Epilogues``; ``fma-fp32``, ``int8-matmuls``; with ``takes_gate``, a
+    gated activation where it says so): the matmuls whose ``(lead, n, k)`` ``takes``, each replaced by
+    ``call_kernel(rewriter, x, weight, bias, sizes, activation, residual, gate)``, which emits on
+    ``rewriter.builder_`` and finds the kernel's functions in ``rewriter.kernels``
+    (``KernelFunctions(prefix, make_kernel)``) and a dict of its own in ``rewriter.cache``.
+    Everything else is left as it is."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import weight_matmul_sizes, weights_of
@@ -199,7 +255,8 @@ def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_ker
 
         def start(self, function):
             self.weights = weights_of(function)
-            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True)
+            self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True,
+                                       gated_activations=ACTIVATIONS if takes_gate else (), takes_gate=takes_gate)
 
         def fits(self, call):
             sizes = weight_matmul_sizes(call, self.weights)
@@ -207,9 +264,9 @@ def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_ker
                 return None
             return sizes if takes(*sizes) else None
 
-        def call(self, x, weight, bias, sizes, activation, residual, out_dtype):
+        def call(self, x, weight, bias, sizes, activation, residual, out_dtype, gate):
             assert out_dtype == "float32"  # no output_dtypes given to Epilogues
-            return call_kernel(self, x, weight, bias, sizes, activation, residual)
+            return call_kernel(self, x, weight, bias, sizes, activation, residual, gate)
 
         def visit_var_binding_(self, binding):
             if not self.epilogues.visit_binding(self, binding, self.call):
