@@ -271,6 +271,32 @@ def test_modernbert_runs_on_our_kernels_its_local_attention_on_its_window(tvmber
 
 
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
+def test_modernbert_rotates_q_and_k_in_its_projections_kernel_and_gates_in_its_mlps(tvmbert, tmp_path):
+    """Heads of 64 (ModernBERT-base's), one panel each with AVX-512: the fused Q/K/V projection's
+    kernel writes head-major panels with the rotary positions applied to Q's and K's as it stores
+    them, and the attention kernel reads all three there (no rotary, slice or copy kernels, in
+    padded and packed builds); Wi's kernel applies GeGLU and writes its half of the columns.
+    With AVX2 the panels are narrower than a head: the graph rotates Q and K, and V is still
+    read in place, from the projection's columns."""
+    folder = _save(tmp_path / "model", "ModernBertModel", **dict(MODERNBERT_SMALL, hidden_size=128, num_hidden_layers=3,
+                                                                 intermediate_size=96, max_position_embeddings=128))
+    common = ("--batch", "2", "--seq-len", "64", "--log-dir", str(tmp_path), "--workdir", str(tmp_path / "work"))
+    for packed in ((), ("--tokens", "100")):
+        built = tvmbert("build", folder, *common, *packed, "--json")
+        assert built.code == 0, built.stderr
+        rows = "100" if packed else "128"
+        assert f"fma_matmul_{rows}x192x128_gelu_gated" in built.json["fma_kernels"], built.json
+        rotating = f"fma_matmul_{rows}x384x128_panels_rotary"
+        assert (rotating in built.json["fma_kernels"]) == (HOST_LANES == 16), built.json
+        assert all(name.endswith("_panels64") == (HOST_LANES == 16) for name in built.json["attention_kernels"]), built.json
+        optimized = next((tmp_path / "work").glob(f"*/b2-s64-{'t100-' if packed else ''}float32/optimize/module.py")).read_text()
+        assert "strided_slice2_squeeze" not in optimized and "split_gelu" not in optimized  # V uncopied, no GeGLU kernel
+        assert ("negative_concatenate" in optimized) == (HOST_LANES != 16)  # the graph's rotary kernels
+        verified = tvmbert("verify", folder, *common, *packed, "--samples", "4", "--json")
+        assert verified.code == 0 and verified.json["passed"] and verified.json["max_abs_diff"] < 1e-5, verified.stderr
+
+
+@pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_debertas_attention_runs_on_our_kernel_with_its_position_scores(tvmbert, workdir, tmp_path):
     """Its flat [batch x heads, seq, seq] scores, the c2p and p2c terms added and the mask applied
     by ``where``: one kernel call a layer, which computes the c2p and p2c products from Q and K

@@ -70,6 +70,31 @@ def test_panel_major_output_holds_the_row_major_result(lanes):
     np.testing.assert_array_equal(results[1].transpose(1, 0, 2).reshape(*lead, n), results[0])
 
 
+@pytest.mark.simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+def test_a_rotating_panel_major_kernel_applies_rotary_positions_to_its_first_panels(lanes):
+    import tvm
+
+    lead, n, k, table_rows = (2, 11), 128, 24, 11  # 22 rows, each reading table row (row % 11): a padded batch of 2
+    rows, vectors = fma.tile(n, lanes)
+    width, m = vectors * lanes, 22
+    panels = n // width
+    rng = np.random.default_rng(3)
+    x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, k), (k, n), (n,)))
+    tables = rng.standard_normal((2, table_rows, width), dtype=np.float32)
+    function = fma.kernel(m, n, k, lanes, lead, None, panel_major=True, rotary=(0, panels - 1, table_rows))
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((panels, m, width), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (x, np.ascontiguousarray(w.reshape(k, panels, width).transpose(1, 0, 2)), b,
+                                                      tables)), y)
+    expected = (x.reshape(m, k).astype(np.float64) @ w + b).reshape(m, panels, width).transpose(1, 0, 2)
+    cos, sin = (table[np.arange(m) % table_rows] for table in tables)
+    half = width // 2
+    for p in range(panels - 1):  # the last panel (V's, in a projection) is stored as it is
+        expected[p] = expected[p] * cos + np.concatenate([-expected[p][:, half:], expected[p][:, :half]], axis=1) * sin
+    assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
 def _glu_module(lead, n, k, activated_half: int, gate_read_twice: bool = False):
     """Relax ``gelu(half a) * half 1 - a`` of ``reshape(x @ W + b)`` split in two (ModernBERT's
     GeGLU as exported), W and b weights; with ``gate_read_twice`` the gate is also added to the result."""

@@ -101,7 +101,8 @@ def prefetch_to_l2(address):
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, panel_major: bool = False, block_rows: int | None = None, gated: bool = False):
+           residual: bool = False, panel_major: bool = False, block_rows: int | None = None, gated: bool = False,
+           rotary: tuple[int, int, int] | None = None):
     """The PrimFunc ``y[*lead, n] = act(x[*lead, k] @ W[k, n] + b[n]) (+ r[*lead, n])`` with W
     packed as ``Wp[n / width, k, width]``; ``m`` (the product of ``lead``) any row count (the
     rows past the last whole tile take a tile of their own); ``act`` one of ``ACTIVATIONS`` or
@@ -110,19 +111,24 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     ``gated`` (a GLU: ModernBERT's GeGLU) writes ``y[*lead, n / 2] = act(first half) * second
     half`` of each panel's columns, W's and b's columns interleaved so that each panel holds
     ``width / 2`` activated columns and their gates (``passes/fma_fp32.gates_beside_inputs``):
-    the product's other half is never written. The rows go a block at a time (``block_rows``, by
-    default what ``BLOCK_BYTES`` holds), every panel done on a block before the next block starts."""
+    the product's other half is never written. ``rotary`` (first panel, end panel, table rows P;
+    panel-major only) rotates panels first..end - 1 as it stores them, each one head's Q or K
+    (ModernBERT's rotary positions, ``y * cos + rotate_half(y) * sin``, rotate_half(y) =
+    ``[-y[width / 2:], y[:width / 2]]``), with r holding the tables ``[2, P, width]`` (cos, then
+    sin) of row ``row % P``. The rows go a block at a time (``block_rows``, by default what
+    ``BLOCK_BYTES`` holds), every panel done on a block before the next block starts."""
     import tvm
     from tvm.script import tirx as T
 
     assert not (panel_major and residual) and not (gated and (residual or panel_major or not activation))
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
     lead = tuple(lead) if lead else (m,)
-    residual_shape = (*lead, n) if residual else (1,)
-
     rows, vectors = tile(n, lanes, gated)
     width = vectors * lanes
-    half = vectors // 2  # a gated panel's activated vectors, then as many gates
+    half = vectors // 2  # a gated panel's activated vectors, then as many gates; a rotated panel's halves
+    assert rotary is None or (panel_major and not activation and vectors % 2 == 0), (rotary, vectors)
+    rotary_first, rotary_end, table_rows = rotary or (0, 0, 1)
+    residual_shape = (*lead, n) if residual else (2, table_rows, width) if rotary else (1,)
     y_shape = (n // width, m, width) if panel_major else (*lead, n // 2 if gated else n)
 
     panels, tiles, last_rows = n // width, m // rows, m % rows
@@ -154,6 +160,17 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                         * wp[p, kb * k_block + kk, v * lanes + j]
 
     @T.macro
+    def store_rotated(b, r, yf, acc, p, first_row, group):
+        for i in T.unroll(group):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    yf[p, first_row + i, v * lanes + j] = (acc[i, v * lanes + j] + b[p * width + v * lanes + j]) \
+                        * r[0, (first_row + i) % table_rows, v * lanes + j] \
+                        + T.if_then_else(v < half, T.float32(-1), T.float32(1)) \
+                        * (acc[i, (v + half) % vectors * lanes + j] + b[p * width + (v + half) % vectors * lanes + j]) \
+                        * r[1, (first_row + i) % table_rows, v * lanes + j]
+
+    @T.macro
     def store(b, rf, yf, acc, p, first_row, group):
         for i in T.unroll(group):
             for v in T.unroll(half if gated else vectors):
@@ -170,7 +187,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                         yf[first_row + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
 
     @T.macro
-    def row_tile(xf, wp, wf, b, rf, yf, p, t, head, tail):  # rows t * rows .. + head + tail of panel p
+    def row_tile(xf, wp, wf, b, r, rf, yf, p, t, head, tail):  # rows t * rows .. + head + tail of panel p
         acc_head = T.alloc_buffer((head, width), "float32")
         acc_tail = T.alloc_buffer((max(tail, 1), width), "float32")  # unused (TVM has no empty buffer) without a tail
         # Zeroed a vector at a time, as the FMAs and stores access them: a row of 3 AVX2 vectors
@@ -193,9 +210,18 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 accumulate(xf, wp, acc_head, p, t * rows, head, kb, kk)
                 if tail > 0:
                     accumulate(xf, wp, acc_tail, p, t * rows + head, tail, kb, kk)
-        store(b, rf, yf, acc_head, p, t * rows, head)
-        if tail > 0:
-            store(b, rf, yf, acc_tail, p, t * rows + head, tail)
+        if rotary is None:
+            store(b, rf, yf, acc_head, p, t * rows, head)
+            if tail > 0:
+                store(b, rf, yf, acc_tail, p, t * rows + head, tail)
+        elif rotary_first <= p and p < rotary_end:
+            store_rotated(b, r, yf, acc_head, p, t * rows, head)
+            if tail > 0:
+                store_rotated(b, r, yf, acc_tail, p, t * rows + head, tail)
+        else:
+            store(b, rf, yf, acc_head, p, t * rows, head)
+            if tail > 0:
+                store(b, rf, yf, acc_tail, p, t * rows + head, tail)
 
     @T.prim_func(s_tir=True)
     def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
@@ -213,9 +239,9 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 for blk in range(blocks):
                     for p in T.parallel(panels):
                         for t in range(blk * block_tiles, T.min((blk + 1) * block_tiles, tiles)):
-                            row_tile(xf, wp, wf, b, rf, yf, p, t, *groups(rows))
+                            row_tile(xf, wp, wf, b, r, rf, yf, p, t, *groups(rows))
                         if last_rows > 0 and blk == blocks - 1:
-                            row_tile(xf, wp, wf, b, rf, yf, p, tiles, *groups(last_rows))
+                            row_tile(xf, wp, wf, b, r, rf, yf, p, tiles, *groups(last_rows))
 
     assert isinstance(fma_matmul, tvm.tirx.PrimFunc)
     return fma_matmul

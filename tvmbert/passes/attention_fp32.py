@@ -8,17 +8,46 @@ from tvmbert.kernels.attention import Positions, amx_bf16_fits, amx_bf16_kernel,
 from tvmbert.passes.attention_graph import Attention, find, mask_operand, row_major
 
 
-def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: int) -> dict:
-    """The operands to read panel-major: var -> ``(kernel, shape)`` (``fma_fp32.panel_major_variant``)
+def _rotated_in_projection(attention: Attention) -> Attention | None:
+    """``attention`` reading Q and K unrotated from the projection's columns, as they are where
+    the projection's kernel rotates them as it stores them (ModernBERT's rotary positions): Q and
+    K rotated with one pair of tables, V not, all three columns of one value; None otherwise."""
+    q, k, v = attention.rotary
+    if q is None or k is None or v is not None or not (q.cos.same_as(k.cos) and q.sin.same_as(k.sin)):
+        return None
+    sources = (q.source, k.source, attention.sources[2])
+    if not all(source[0].same_as(sources[0][0]) for source in sources):
+        return None
+    return attention._replace(sources=sources, head_major=(False, False, False))
+
+
+def _rotary_panels(attention: Attention, width: int) -> tuple[int, int, int] | None:
+    """(first panel, end panel, table rows) of the projection's kernel rotating ``attention``'s Q
+    and K (``kernels/fma.kernel``'s ``rotary``): each panel one head, K's right after Q's; or None."""
+    _, heads, _, dim = attention.shape
+    (_, _, q_offset), (_, _, k_offset), _ = attention.sources
+    if width != dim or q_offset % width or k_offset != q_offset + heads * dim:
+        return None
+    cos_shape = [int(d) for d in attention.rotary[0].cos.ty.shape]
+    return q_offset // width, q_offset // width + 2 * heads, cos_shape[0] * cos_shape[2]
+
+
+def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: int) -> tuple[dict, dict]:
+    """The operands to read panel-major: var -> ``(kernel, shape, Rotary, panels)``
+    (``fma_fp32.panel_major_variant``; the Rotary and its panels, ``_rotary_panels``, or None)
     for each value an FMA kernel computes that, once the attentions are rewritten, nothing but
     the kernel reads, and whose every attention reads all three of Q, K and V from such values
-    of one width (bert-base's fused Q/K/V projection)."""
+    of one width (bert-base's fused Q/K/V projection); and the attentions that read Q and K
+    unrotated from such a value, its kernel rotating them (var -> their Attention, with rotary
+    the Rotary of their Q: ``_rotated_in_projection``)."""
     from tvm import relax
 
     from tvmbert.kernels import fma
     from tvmbert.passes.fma_fp32 import panel_major_variant
 
     bindings, values, _ = flow
+    rotated = {var: fused for var, attention in found.items() if (fused := _rotated_in_projection(attention)) is not None}
+    found = {**found, **rotated}
     reads = {}  # each binding's operands once the attentions are rewritten
     for binding in bindings:
         if binding.var in found:
@@ -37,18 +66,26 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
             live.add(var)
             pending.extend(reads.get(var, ()))
 
+    rotations = {}  # a projection -> what its kernel rotates (every attention reading it agreeing)
+    for var, attention in found.items():
+        for source, _, _ in attention.sources:
+            rotations.setdefault(source, set()).add((attention.rotary[0].cos, attention.rotary[0].sin) if var in rotated else None)
     candidates = {}
     for source in {source for attention in found.values() for source, _, _ in attention.sources}:
         value = values.get(source)
-        if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.call_tir"):
+        if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.call_tir") or len(rotations[source]) > 1:
             continue
         callee = module[value.args[0]]
         if not callee.attrs or fma.KERNEL_ATTR not in callee.attrs:
             continue
         if all(var in found for var in live if source in reads.get(var, ())):
             variant = panel_major_variant(value, callee, lanes)
+            readers = [attention for var, attention in rotated.items() if attention.sources[0][0].same_as(source)]
+            panels = _rotary_panels(readers[0], variant[1][2]) if variant is not None and readers else None
+            if readers:
+                variant = panel_major_variant(value, callee, lanes, panels) if panels else None
             if variant is not None:
-                candidates[source] = variant
+                candidates[source] = (*variant, readers[0].rotary[0] if readers else None, panels)
     mixed = True
     while mixed:  # an attention reads its three operands panel-major, of one width, or none so
         mixed = [attention for attention in found.values()
@@ -56,7 +93,7 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
         for attention in mixed:
             for source, _, _ in attention.sources:
                 candidates.pop(source, None)
-    return candidates
+    return candidates, {var: attention for var, attention in rotated.items() if attention.sources[0][0] in candidates}
 
 
 def attention_rewrite(lanes: int, amx_bf16: bool = False):
@@ -81,12 +118,16 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             self.module = module
             self.kernels, self.variants = {}, {}
             self.found, self.outputs, self.results, self.panel_sources, self.panels, self.padding_masks = {}, {}, {}, {}, {}, {}
+            self.tables = {}  # (cos, sin) -> the [2, P, D] tables a rotating projection kernel reads
+            self.values = {}
 
         def start(self, function):
             flow = dataflow(function)
             self.found, self.outputs = find(flow, lambda seq, dim: fits(seq, dim, lanes))
-            self.panel_sources = _panel_sources(self.module, function, flow, self.found, self.outputs, lanes)
-            self.results, self.panels, self.padding_masks = {}, {}, {}
+            self.panel_sources, rotated = _panel_sources(self.module, function, flow, self.found, self.outputs, lanes)
+            self.values = flow[1]
+            self.found.update(rotated)
+            self.results, self.panels, self.padding_masks, self.tables = {}, {}, {}, {}
 
         def kernel_for(self, found: Attention, panel: int, mask, on_amx: bool, positions: Positions | None):
             batch, heads, seq, dim = found.shape
@@ -104,16 +145,34 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
-        def emit_panel_major(self, binding):
-            """Next to the FMA kernel call of ``binding`` (dead once the attentions read this, dce
-            drops it), its panel-major variant."""
-            super().visit_var_binding_(binding)
-            function, shape = self.panel_sources[binding.var]
-            callee = binding.value.args[0]
-            if callee not in self.variants:
-                self.variants[callee] = self.builder_.add_func(function.without_attr("global_symbol"), callee.name_hint + "_panels")
-            self.panels[binding.var] = self.builder_.emit(relax.call_tir(
-                self.variants[callee], [self.visit_expr(arg) for arg in binding.value.args[1].fields], relax.TensorType(shape, "float32")))
+        def panel_major(self, source):
+            """The panel-major variant of the FMA kernel call that computes ``source`` (that call
+            is dead once the attentions read this, and dce drops it), rotating Q and K where its
+            attention's are; emitted where the first attention reads it, after the rotary tables."""
+            if source in self.panels:
+                return self.panels[source]
+            function, shape, rotary, panels = self.panel_sources[source]
+            call = self.values[source]
+            callee = call.args[0]
+            key = (callee, panels)
+            if key not in self.variants:
+                name = callee.name_hint + "_panels" + ("_rotary" if rotary is not None else "")
+                self.variants[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
+            operands = [self.visit_expr(arg) for arg in call.args[1].fields]
+            if rotary is not None:
+                operands[3] = self.rotary_tables(rotary)
+            self.panels[source] = self.builder_.emit(relax.call_tir(self.variants[key], operands, relax.TensorType(shape, "float32")))
+            return self.panels[source]
+
+        def rotary_tables(self, rotary):
+            """The [2, P, D] cos and sin tables of ``rotary`` (made once for every layer that reads them)."""
+            key = (rotary.cos, rotary.sin)
+            if key not in self.tables:
+                shape = [int(d) for d in rotary.cos.ty.shape]
+                rows = (1, shape[0] * shape[2], shape[3])
+                self.tables[key] = self.builder_.emit(relax.op.concat(
+                    [self.builder_.emit(relax.op.reshape(self.visit_expr(table), rows)) for table in key], axis=0))
+            return self.tables[key]
 
         def position_operands(self, terms, batch: int, seq: int, compute: bool):
             """(Positions, its operands) for the kernel to gather DeBERTa's position terms, (None, [])
@@ -148,9 +207,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             return positions, [*operands, relax.const(index)]
 
         def visit_var_binding_(self, binding):
-            if binding.var in self.panel_sources:
-                self.emit_panel_major(binding)
-            elif binding.var in self.found:
+            if binding.var in self.found:
                 found = self.found[binding.var]
                 batch, heads, seq, dim = found.shape
                 operands = []
@@ -159,7 +216,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
                 panel = self.panel_sources[first][1][2] if first in self.panel_sources else 0  # [n / width, m, width][2]
                 for (source, columns, _), head_major in zip(found.sources, found.head_major):
                     if panel:
-                        operands.append(self.panels[source])
+                        operands.append(self.panel_major(source))
                         continue
                     operands.append(row_major(self.builder_, self.visit_expr(source), head_major, operand_rows, columns))
                 on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)

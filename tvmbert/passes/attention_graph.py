@@ -24,6 +24,15 @@ class PositionTerm(NamedTuple):
     weights: object = None
 
 
+class Rotary(NamedTuple):
+    """Rotary positions applied in the graph to a head-major view of a projection's columns (ModernBERT's Q and K),
+    ``x * cos + rotate_half(x) * sin``, rotate_half(x) = ``[-x[..., D / 2:], x[..., :D / 2]]``."""
+
+    source: tuple  # x: (the value whose columns hold it, its columns, the offset of head 0)
+    cos: object  # [B or 1, 1, S, D]
+    sin: object
+
+
 class Attention(NamedTuple):
     """What the rewrite found for one ``matmul(softmax(Q K^T * scale + mask), V)``."""
 
@@ -51,6 +60,9 @@ class Attention(NamedTuple):
     # ``bias`` as its gathered terms, one by query rows and one by key rows at most, where its
     # gathers' indices are a relative position's (``Dataflow.position_terms``); else empty.
     positions: tuple = ()
+    # For Q, K and V: the Rotary a head-major source is, where it is one, else None: the
+    # projection's kernel can then rotate them as it stores them (``attention_fp32``).
+    rotary: tuple = (None, None, None)
 
 
 class Dataflow:
@@ -77,17 +89,47 @@ class Dataflow:
             return float(expr.value.numpy().reshape(()))
         return None
 
+    def column_slice(self, view, rows: int):
+        """(source, offset) where ``view`` is a slice of ``source`` [*rows, a, ...] along its first
+        axis past the rows (ModernBERT's ``qkv[:, :, i]`` of its [rows, 3, heads, dim] projection):
+        the columns from ``offset`` of the source's [rows, columns]; None for anything else."""
+        import numpy as np
+
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        if self.op_of(view) != "relax.strided_slice":
+            return None
+        call = self.values[view]
+        source, shape = call.args[0], shape_of(call.args[0])
+        if shape is None or len(call.args[1].fields) != 1 or (len(call.args) > 4 and any(int(f) != 1 for f in call.args[4].fields)):
+            return None
+        axis = int(call.args[1].fields[0]) % len(shape)
+        if int(np.prod(shape[:axis])) != rows:
+            return None
+        begin = int(call.args[2].fields[0])
+        return (source, begin * int(np.prod(shape[axis + 1:]))) if 0 <= begin < shape[axis] else None
+
     def columns_of(self, view, rows: int, width: int):
         """(operand, columns, offset): the [rows, width] row-major view ``view`` (through any
-        reshapes) is columns offset..offset+width of the operand's [rows, columns]."""
+        reshapes, and slices of a projection's columns with the axes they leave squeezed) is
+        columns offset..offset+width of the operand's [rows, columns]."""
         import numpy as np
         from tvm import relax
 
         from tvmbert.ir.dataflow import static_shape as shape_of
 
         values = self.values
-        while self.op_of(view) == "relax.reshape":
-            view = values[view].args[0]
+        offset, sliced = 0, False
+        while True:
+            while self.op_of(view) in ("relax.reshape", "relax.squeeze"):
+                view = values[view].args[0]
+            if (columns := self.column_slice(view, rows)) is None:
+                break
+            view, offset, sliced = columns[0], offset + columns[1], True
+        if sliced:
+            shape = shape_of(view)
+            columns = int(np.prod(shape)) // rows
+            return (view, columns, offset) if offset + width <= columns else None
         value = values.get(view)
         if isinstance(value, relax.TupleGetItem) and self.op_of(value.tuple_value) == "relax.split":
             split = values[value.tuple_value]
@@ -318,8 +360,8 @@ class Dataflow:
         return None if columns is None else (*columns, None, None)
 
     def computed_heads(self, expr):
-        """(value, H * D, 0, None, None, head-major) of a [B, H, S, D] float32 value the graph
-        computes head-major (rotary positions applied to Q or K), or None."""
+        """(value, H * D, 0, None, None, head-major, Rotary or None) of a [B, H, S, D] float32
+        value the graph computes head-major (rotary positions applied to Q or K), or None."""
         from tvm import relax
 
         from tvmbert.ir.dataflow import static_shape as shape_of
@@ -327,7 +369,67 @@ class Dataflow:
         shape = shape_of(expr)
         if not isinstance(self.values.get(expr), relax.Call) or shape is None or len(shape) != 4 or expr.ty.dtype != "float32":
             return None
-        return expr, shape[1] * shape[3], 0, None, None, True
+        return expr, shape[1] * shape[3], 0, None, None, True, self.rotary_of(expr)
+
+    def rotary_of(self, expr):
+        """The Rotary that [B, H, S, D] ``expr`` is (either order of its sum and products), x a
+        head-major view of a projection's columns and cos and sin [B or 1, 1, S, D] float32; None otherwise."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        shape = shape_of(expr)
+        if self.op_of(expr) != "relax.add" or shape is None or shape[3] % 2:
+            return None
+
+        def factors(product):
+            if self.op_of(product) != "relax.multiply":
+                return []
+            left, right = self.values[product].args
+            return [(left, right), (right, left)]
+
+        def table(expr):
+            own = shape_of(expr)
+            return expr.ty.dtype == "float32" and own is not None and len(own) == 4 and own[0] in (1, shape[0]) \
+                and own[1:] == (1, *shape[2:])
+
+        for straight, turned in (self.values[expr].args, self.values[expr].args[::-1]):
+            for x, cos in factors(straight):
+                for half_turn, sin in factors(turned):
+                    source = self.half_turn_of(half_turn)
+                    if source is None or not source.same_as(x) or not (table(cos) and table(sin)):
+                        continue
+                    found = self.heads_of(x, False)
+                    if found is not None and len(found) == 5 and found[3] is None:
+                        return Rotary(found[:3], cos, sin)
+        return None
+
+    def half_turn_of(self, expr):
+        """x of ``concat([-x[..., D / 2:], x[..., :D / 2]], axis=-1)``, or None."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        shape = shape_of(expr)
+        if self.op_of(expr) != "relax.concat" or shape is None or int(self.values[expr].attrs.axis) % len(shape) != len(shape) - 1:
+            return None
+        parts = getattr(self.values[expr].args[0], "fields", ())
+        if len(parts) != 2 or self.op_of(parts[0]) != "relax.negative":
+            return None
+        upper, lower = self.last_axis_slice(self.values[parts[0]].args[0]), self.last_axis_slice(parts[1])
+        half = shape[-1] // 2
+        if upper and lower and upper[0].same_as(lower[0]) and upper[1:] == (half, shape[-1]) and lower[1:] == (0, half):
+            return upper[0]
+        return None
+
+    def last_axis_slice(self, expr):
+        """(x, begin, end) of a step-1 slice of x's last axis (end at most its size), or None."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        if self.op_of(expr) != "relax.strided_slice":
+            return None
+        call = self.values[expr]
+        source, shape = call.args[0], shape_of(call.args[0])
+        if (shape is None or len(call.args[1].fields) != 1 or int(call.args[1].fields[0]) % len(shape) != len(shape) - 1
+                or (len(call.args) > 4 and any(int(f) != 1 for f in call.args[4].fields))):
+            return None
+        return source, int(call.args[2].fields[0]), min(int(call.args[3].fields[0]), shape[-1])
 
     def gathered_heads(self, view):
         """The packed build's ``reshape(take(take(X, 0, axis=0), rows, axis=1), [H, B, S, D])``
@@ -404,12 +506,13 @@ def attention_at(graph: Dataflow, binding, fits) -> Attention | None:
     if len(rows) != 1 or (None not in rows and shape_of(sources[0][3]) != (batch * seq,)):
         return None  # Q, K and V gathered alike, or not at all
     head_major = tuple(len(s) > 5 for s in sources)
+    rotary = tuple(s[6] if len(s) > 6 else None for s in sources)
     padding, window = (graph.padding_and_window(mask, batch, seq) or (None, None)) if mask is not None else (None, None)
     if padding is not None:
         mask = None
     positions = graph.position_terms(bias, batch, heads, seq, (q_view, k_view)) if bias is not None else ()
     return Attention(shape, tuple(s[:3] for s in sources), scale, mask, sources[0][3], sources[0][4], head_major, padding,
-                     window, bias, excluded, positions)
+                     window, bias, excluded, positions, rotary)
 
 
 def row_major(builder, source, head_major: bool, rows: int, columns: int):

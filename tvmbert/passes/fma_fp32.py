@@ -7,13 +7,14 @@ from __future__ import annotations
 from tvmbert.kernels.fma import ACTIVATION_ATTR, kernel, tile
 
 
-def panel_major_variant(call, function, lanes: int):
+def panel_major_variant(call, function, lanes: int, rotary: tuple[int, int, int] | None = None):
     """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
     ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
-    ``[n / width, m, width]``; None for one with a residual. Writing a tile's rows into one panel
-    is cheaper than into rows ``n`` floats apart (CHANGELOG.md, 2026-11-22), and where the panel
-    width is the head size (6 x 4 tiles, bert-base), each panel is one head's Q, K or V, which the
-    attention kernel then reads whole."""
+    ``[n / width, m, width]``; None for one with a residual, or with an activation or panels of
+    an odd number of vectors where it is to rotate (``rotary``, ``kernels/fma.kernel``'s). Writing
+    a tile's rows into one panel is cheaper than into rows ``n`` floats apart (CHANGELOG.md,
+    2026-11-22), and where the panel width is the head size (6 x 4 tiles, bert-base), each panel
+    is one head's Q, K or V, which the attention kernel then reads whole."""
     import numpy as np
 
     from tvmbert.ir.dataflow import static_shape
@@ -24,7 +25,9 @@ def panel_major_variant(call, function, lanes: int):
     lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
     m, width = int(np.prod(lead)), wp[2]
     activation = str(function.attrs[ACTIVATION_ATTR]) or None
-    return kernel(m, n, k, lanes, lead, activation, panel_major=True), (n // width, m, width)
+    if rotary is not None and (activation or (width // lanes) % 2):
+        return None
+    return kernel(m, n, k, lanes, lead, activation, panel_major=True, rotary=rotary), (n // width, m, width)
 
 
 def weight_in_panels(weight, width: int):
