@@ -74,6 +74,34 @@ def test_attention_kernel_matches_float64(lanes, batch, heads, seq, dim, mask_sh
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("seq, window", [(512, 64), (1024, 64), (256, 20)])
+def test_a_windowed_kernel_scores_each_blocks_span_alone_and_matches_float64(seq, window):
+    """ModernBERT's local layers: a block of query rows keeps the scores of its span alone (its
+    rows and the window either side, on two-vector blocks), so that blocks stay 32 rows at any
+    length; keys beyond the window and the key padding masked, as the graph's mask does."""
+    import tvm
+
+    batch, heads, dim = 2, 2, 64
+    rows, span = attention.window_block(seq, window, 2 * HOST_LANES)
+    assert span <= rows + 2 * window + 4 * HOST_LANES and rows * span * 4 <= attention.SCORES_BYTES and rows >= 16
+    rng = np.random.default_rng(4)
+    columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    padding = np.where(rng.random((batch, 1, 1, seq)) < 0.2, MASKED, 0).astype(np.float32)
+    scale = 1 / np.sqrt(dim)
+    kernel = attention.kernel(batch, heads, seq, dim, HOST_LANES, sources, padding.shape, scale, window=window)
+    library = tvm.compile(tvm.IRModule({"main": kernel}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, padding, np.zeros(1, "int32"))), y)
+    q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
+    positions = np.arange(seq)
+    mask = np.where(np.abs(positions[:, None] - positions[None, :]) <= window, padding, MASKED)  # [batch, 1, seq, seq]
+    counted = (mask > MASKED).any(-1)[:, 0]  # queries with a key in their window (the others' outputs are unused)
+    expected = _reference(q, k, v, mask, scale).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(y.numpy()[counted], expected[counted], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.simd
 @pytest.mark.parametrize("seq, mask_shape", [(512, "rows"), (1024, "keys")])
 def test_long_sequences_run_a_block_of_query_rows_at_a_time_and_match_float64(seq, mask_shape):
     """Past 128 tokens a head's scores are done a block of query rows at a time (what stays in

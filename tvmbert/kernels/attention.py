@@ -151,6 +151,23 @@ class KeySpan:
         return T.min((first_row + self.rows - 1 + self.window) // self.align * self.align + self.align, self.seq)
 
 
+def window_block(seq: int, window: int, align: int) -> tuple[int, int]:
+    """(query rows a block, the most keys its span holds) for a windowed kernel whose scores
+    hold a block's span alone: the block computing the fewest scores in all (a span is the
+    block's rows and the window either side, on whole ``align``-wide blocks: ModernBERT-base's
+    32 rows and 64 keys either side, 160 keys) whose scores stay within SCORES_BYTES; blocks of
+    16 rows or more, ties to the larger (each block's softmax and P V loops start over)."""
+    best = None
+    for rows in range(4 * ROWS, seq + 1, 4 * ROWS):
+        if seq % rows:
+            continue
+        spans = [min((first + rows - 1 + window) // align * align + align, seq) - max(first - window, 0) // align * align
+                 for first in range(0, seq, rows)]
+        if rows * max(spans) * 4 <= SCORES_BYTES and (best is None or sum(spans) * rows <= best[0]):
+            best = (sum(spans) * rows, rows, max(spans))
+    return (best[1], best[2]) if best else (ROWS, seq)
+
+
 def key_span(seq: int, rows: int, window: int | None, align: int) -> KeySpan:
     """A window that covers every key of every block computes them all, as without one."""
     assert seq % align == 0, (seq, align)
@@ -338,7 +355,11 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     assert positions is None or window is None, "DeBERTa has no window"
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
     (q_columns, q_offset), (k_columns, k_offset), (v_columns, v_offset) = grid.sources
-    score_width = vectors_per_tile(seq // lanes, lanes) * lanes
+    # A window's key span is its block of query rows and the window either side, on whole
+    # ``align``-wide blocks: score tiles and softmax steps of two vectors keep it tight (ModernBERT's
+    # 32 query rows and 64 keys either side: 160 keys, where 64-wide blocks made it 192).
+    narrow = window is not None and window < seq and (seq // lanes) % 2 == 0
+    score_width = 2 * lanes if narrow else vectors_per_tile(seq // lanes, lanes) * lanes
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     # The position products the kernel computes (``Positions.weights``): c2p's and p2c's columns, a tile's width of them.
     computed = positions is not None and positions.weights
@@ -348,15 +369,18 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     assert query_columns % lanes == 0 and key_columns % lanes == 0, (query_columns, key_columns)
     query_width, key_width = (vectors_per_tile(columns // lanes, lanes) * lanes for columns in (query_columns, key_columns))
     width = max(score_width, out_width, query_width, key_width)
-    softmax_width = softmax_vectors(seq, lanes) * lanes
-    align = key_alignment(seq, lanes)
+    softmax_width = score_width if narrow else softmax_vectors(seq, lanes) * lanes
+    align = score_width if narrow else key_alignment(seq, lanes)
     # A block of query rows' scores, softmax and P V a block of keys at a time; a window bounds a
     # block's keys already (``key_span``: its rows and the window either side), so it takes them at
     # once (both together gave NaNs past one block of query rows at 1024 tokens: the scores buffer
     # mis-sized, it seems, by TVM's buffer compaction, whose region bound divided by zero in a variant).
     keys = key_block(seq, align) if window is None or window >= seq else seq
     single = keys >= seq  # one block of keys: no running max and sum, the output stored once
-    block_rows = query_block(seq, keys)
+    # Narrow windowed tiles keep a block's scores from its span's first key on, so that the
+    # block stays the one computing fewest scores at any length (scores over every key made it
+    # 8 query rows at 2048 tokens, each computing a span of 160 keys).
+    block_rows, span_keys = window_block(seq, window, align) if narrow else (query_block(seq, keys), keys)
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
     row, at, mask_at = grid.row, grid.at, grid.mask_at
     windowed = window_mask(window)
@@ -365,6 +389,9 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, softmax_width, combine, lanes)
+
+    def base(b0, kb):  # the key of the scores' first column
+        return span.first(b0 * block_rows) if narrow else kb * keys
 
     def keys_first(b0, kb):  # the first key of block kb that query block b0 attends to
         return T.max(kb * keys, span.first(b0 * block_rows))
@@ -462,7 +489,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         """The block's position scores, where its score tiles add theirs, a vector of keys at a time."""
         for c in range(keys_first(b0, kb) // lanes, keys_end(b0, kb) // lanes):
             for i in range(block_rows):
-                scores[i, T.Ramp(c * lanes - kb * keys, 1, lanes)] = positions.scores(
+                scores[i, T.Ramp(c * lanes - base(b0, kb), 1, lanes)] = positions.scores(
                     seq, lanes, index, b0 * block_rows + i, c * lanes,
                     *product_rows(by_query, by_key, query_products, key_products, bh, b0 * block_rows + i, i, c * lanes))
 
@@ -514,15 +541,15 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 for d0, e in T.grid(dim // lanes, lanes):
                     score_fma(q, kt, rows, acc_top, bh, b0 * block_rows + t * ROWS, c, d0, e)
                     score_fma(q, kt, rows, acc_bottom, bh, b0 * block_rows + t * ROWS + half, c, d0, e)
-                score_store(mask, scores, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c, kb * keys)
-                score_store(mask, scores, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c, kb * keys)
+                score_store(mask, scores, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c, base(b0, kb))
+                score_store(mask, scores, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c, base(b0, kb))
         # softmax's max, exp and sum over each row
         for i in range(block_rows):
             for x in T.vectorized(softmax_width):
-                partial[x] = scores[i, keys_first(b0, kb) - kb * keys + x]
+                partial[x] = scores[i, keys_first(b0, kb) - base(b0, kb) + x]
             for c in range(keys_first(b0, kb) // softmax_width + 1, keys_end(b0, kb) // softmax_width):
                 for x in T.vectorized(softmax_width):
-                    partial[x] = T.max(partial[x], scores[i, c * softmax_width - kb * keys + x])
+                    partial[x] = T.max(partial[x], scores[i, c * softmax_width - base(b0, kb) + x])
             if single:
                 row_max[i] = across_lanes(partial, T.max)
             else:
@@ -532,8 +559,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                 partial[x] = T.float32(0)
             for c in range(keys_first(b0, kb) // softmax_width, keys_end(b0, kb) // softmax_width):
                 for x in T.vectorized(softmax_width):
-                    scores[i, c * softmax_width - kb * keys + x] = exp_float32(scores[i, c * softmax_width - kb * keys + x] - row_max[i])
-                    partial[x] = partial[x] + scores[i, c * softmax_width - kb * keys + x]
+                    scores[i, c * softmax_width - base(b0, kb) + x] = exp_float32(scores[i, c * softmax_width - base(b0, kb) + x] - row_max[i])
+                    partial[x] = partial[x] + scores[i, c * softmax_width - base(b0, kb) + x]
             if single:
                 totals[i] = across_lanes(partial, lambda a, b: a + b)
             else:
@@ -548,8 +575,8 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
                     output_start(out, rescale, acc_top, t * ROWS, c)
                     output_start(out, rescale, acc_bottom, t * ROWS + half, c)
                 for j in range(keys_first(b0, kb), keys_end(b0, kb)):
-                    output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j, kb * keys)
-                    output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j, kb * keys)
+                    output_fma(scores, v, vh, acc_top, bh, t * ROWS, c, j, base(b0, kb))
+                    output_fma(scores, v, vh, acc_bottom, bh, t * ROWS + half, c, j, base(b0, kb))
                 if last:
                     output_store(y, totals, acc_top, bh, t * ROWS, b0 * block_rows + t * ROWS, c)
                     output_store(y, totals, acc_bottom, bh, t * ROWS + half, b0 * block_rows + t * ROWS + half, c)
@@ -562,7 +589,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         for bh in T.parallel(batch * heads):
             kt = T.alloc_buffer((dim, seq), "float32")
             vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
-            scores = T.alloc_buffer((block_rows, keys), "float32")
+            scores = T.alloc_buffer((block_rows, span_keys), "float32")
             totals = T.alloc_buffer((block_rows,), "float32")
             row_max = T.alloc_buffer((block_rows,), "float32")
             rescale = T.alloc_buffer((1,) if single else (block_rows,), "float32")

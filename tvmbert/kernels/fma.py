@@ -8,7 +8,9 @@ micro-kernel intrinsic. This kernel is the classic BLAS one (MLAS, oneDNN): the 
 at build time into panels of ``vectors x lanes`` columns (``Wp[N / width, K, width]``, each panel
 contiguous), each thread owning whole panels; per tile of ``rows`` rows, ``rows x vectors``
 accumulator registers for the whole reduction, each k step one broadcast per row and one load per
-vector; bias, activation or residual applied as the tile is stored (``passes/kernel_calls.Epilogues``).
+vector; bias, activation (a gated one too: GeGLU), residual or rotary positions applied as the
+tile is stored (``passes/kernel_calls.Epilogues``, ``passes/attention_fp32``): each is one more pass
+over the result otherwise, and rotary positions a copy of Q and K head-major too.
 A panel is read from memory once, by the first row tile, and the next tiles find it in cache; the
 first would stall on memory, so while a panel is computed the kernel prefetches the next one,
 spread evenly over the panel's row tiles. Measured on
