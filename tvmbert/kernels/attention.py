@@ -417,6 +417,10 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         return prefetch_to_l2(T.address_of(at(operand, row(rows, after // heads * seq + line // row_lines),
                                               (offset + after % heads * dim + line % row_lines * line_floats) // lanes, 0)))
 
+    # K^T's rows a cache line further apart than the keys where they are a multiple of 4 KiB:
+    # a tile's loads then fall in different L1 sets, not all in one (64 rows 32 KiB apart at 8192
+    # tokens, where L1 holds 12 lines a set).
+    kt_stride = seq + (CACHE_LINE // 4 if seq * 4 % 4096 == 0 else 0)
     # A register tile's accumulators, ROWS x width floats, in two buffers of ROWS / 2 rows: TVM
     # puts a buffer on the stack (where LLVM keeps it in registers) only under fma.STACK_BYTES;
     # a larger one is a heap workspace, zeroed by memset and stored back at every tile.
@@ -587,7 +591,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     @T.macro
     def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
         for bh in T.parallel(batch * heads):
-            kt = T.alloc_buffer((dim, seq), "float32")
+            kt = T.alloc_buffer((dim, kt_stride), "float32")
             vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
             scores = T.alloc_buffer((block_rows, span_keys), "float32")
             totals = T.alloc_buffer((block_rows,), "float32")
