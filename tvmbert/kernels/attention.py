@@ -156,13 +156,14 @@ def window_block(seq: int, window: int, align: int) -> tuple[int, int]:
     hold a block's span alone: the block computing the fewest scores in all (a span is the
     block's rows and the window either side, on whole ``align``-wide blocks: ModernBERT-base's
     32 rows and 64 keys either side, 160 keys) whose scores stay within SCORES_BYTES; blocks of
-    16 rows or more, ties to the larger (each block's softmax and P V loops start over)."""
+    16 rows or more, ties to the larger (each block's softmax and P V loops start over). Where
+    none fits (a window of ~500 keys or more), ROWS rows and room for every key."""
     best = None
     for rows in range(4 * ROWS, seq + 1, 4 * ROWS):
         if seq % rows:
             continue
-        spans = [min((first + rows - 1 + window) // align * align + align, seq) - max(first - window, 0) // align * align
-                 for first in range(0, seq, rows)]
+        span = key_span(seq, rows, window, align)
+        spans = [int(span.end(first)) - int(span.first(first)) for first in range(0, seq, rows)]
         if rows * max(spans) * 4 <= SCORES_BYTES and (best is None or sum(spans) * rows <= best[0]):
             best = (sum(spans) * rows, rows, max(spans))
     return (best[1], best[2]) if best else (ROWS, seq)
@@ -404,12 +405,14 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     # over its score tiles, so that they arrive by the time they are read (CHANGELOG.md, 2026-11-22).
     line_floats = CACHE_LINE // 4
     row_lines = -(-dim // line_floats)
-    score_tiles = (seq // ROWS) * (seq // score_width)
-    per_tile = -(-seq * row_lines // score_tiles)
+    row_tiles = (span_keys if narrow else seq) // score_width  # score tiles a row of tiles: over a windowed block's span at most
+    per_tile = -(-seq * row_lines // ((seq // ROWS) * row_tiles))
 
     def prefetched_line(b0, t, c, n):
-        """The n-th line the score tile (b0, t, c) prefetches: each tile its share, in order."""
-        return ((b0 * (block_rows // ROWS) + t) * (seq // score_width) + c) * per_tile + n
+        """The n-th line the score tile (b0, t, c) prefetches: each tile its share, in order (a
+        windowed block's tiles counted from its span's first)."""
+        local = c - base(b0, 0) // score_width if narrow else c
+        return ((b0 * (block_rows // ROWS) + t) * row_tiles + local) * per_tile + n
 
     def prefetch_next_head(operand, offset, rows, bh, line):
         line = T.min(line, seq * row_lines - 1)
@@ -417,10 +420,6 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
         return prefetch_to_l2(T.address_of(at(operand, row(rows, after // heads * seq + line // row_lines),
                                               (offset + after % heads * dim + line % row_lines * line_floats) // lanes, 0)))
 
-    # K^T's rows a cache line further apart than the keys where they are a multiple of 4 KiB:
-    # a tile's loads then fall in different L1 sets, not all in one (64 rows 32 KiB apart at 8192
-    # tokens, where L1 holds 12 lines a set).
-    kt_stride = seq + (CACHE_LINE // 4 if seq * 4 % 4096 == 0 else 0)
     # A register tile's accumulators, ROWS x width floats, in two buffers of ROWS / 2 rows: TVM
     # puts a buffer on the stack (where LLVM keeps it in registers) only under fma.STACK_BYTES;
     # a larger one is a heap workspace, zeroed by memset and stored back at every tile.
@@ -591,7 +590,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     @T.macro
     def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
         for bh in T.parallel(batch * heads):
-            kt = T.alloc_buffer((dim, kt_stride), "float32")
+            kt = T.alloc_buffer((dim, seq), "float32")
             vh = T.alloc_buffer((1, 1) if v_in_place else (seq, dim), "float32")  # (TVM has no empty buffer)
             scores = T.alloc_buffer((block_rows, span_keys), "float32")
             totals = T.alloc_buffer((block_rows,), "float32")

@@ -26,6 +26,7 @@ from tvmbert.kernels.scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.fma_f32"  # PrimFunc attribute marking the kernel (build counts them)
 ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for none): what a variant of it needs
+GATED_ATTR = "tvmbert.fma_gated"  # a gated activation's kernel: half the columns, no panel-major variant
 # A matmul by a weight with few rows is bound by streaming the weight. Schedules tuned on the CPU
 # itself stream it better there, below 16 rows (Sapphire Rapids, its shipped records, bert-base
 # 1 x 14: 18.7 ms tuned, 20.4 on the kernel); every other CPU runs schedules carried from another
@@ -189,6 +190,12 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                         yf[first_row + i, p * width + v * lanes + j] = epilogue(acc[i, v * lanes + j] + b[p * width + v * lanes + j])
 
     @T.macro
+    def store_tile(b, rf, yf, acc_head, acc_tail, p, t, head, tail):
+        store(b, rf, yf, acc_head, p, t * rows, head)
+        if tail > 0:
+            store(b, rf, yf, acc_tail, p, t * rows + head, tail)
+
+    @T.macro
     def row_tile(xf, wp, wf, b, r, rf, yf, p, t, head, tail):  # rows t * rows .. + head + tail of panel p
         acc_head = T.alloc_buffer((head, width), "float32")
         acc_tail = T.alloc_buffer((max(tail, 1), width), "float32")  # unused (TVM has no empty buffer) without a tail
@@ -212,23 +219,20 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 accumulate(xf, wp, acc_head, p, t * rows, head, kb, kk)
                 if tail > 0:
                     accumulate(xf, wp, acc_tail, p, t * rows + head, tail, kb, kk)
-        if rotary is None:
-            store(b, rf, yf, acc_head, p, t * rows, head)
-            if tail > 0:
-                store(b, rf, yf, acc_tail, p, t * rows + head, tail)
-        elif rotary_first <= p and p < rotary_end:
-            store_rotated(b, r, yf, acc_head, p, t * rows, head)
-            if tail > 0:
-                store_rotated(b, r, yf, acc_tail, p, t * rows + head, tail)
-        else:
-            store(b, rf, yf, acc_head, p, t * rows, head)
-            if tail > 0:
-                store(b, rf, yf, acc_tail, p, t * rows + head, tail)
+        if rotary is not None:
+            if rotary_first <= p and p < rotary_end:
+                store_rotated(b, r, yf, acc_head, p, t * rows, head)
+                if tail > 0:
+                    store_rotated(b, r, yf, acc_tail, p, t * rows + head, tail)
+            else:
+                store_tile(b, rf, yf, acc_head, acc_tail, p, t, head, tail)
+        else:  # (no test of p where nothing rotates)
+            store_tile(b, rf, yf, acc_head, acc_tail, p, t, head, tail)
 
     @T.prim_func(s_tir=True)
     def fma_matmul(x: T.Buffer((*lead, k), "float32"), wp: T.Buffer((panels, k, width), "float32"),
                    b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"), y: T.Buffer(y_shape, "float32")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, ACTIVATION_ATTR: activation or "",
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, ACTIVATION_ATTR: activation or "", GATED_ATTR: gated,
                      "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("fma_tiles"):  # and a block under it

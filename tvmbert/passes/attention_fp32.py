@@ -25,8 +25,8 @@ def _rotary_panels(attention: Attention, width: int) -> tuple[int, int, int] | N
     """(first panel, end panel, table rows) of the projection's kernel rotating ``attention``'s Q
     and K (``kernels/fma.kernel``'s ``rotary``): each panel one head, K's right after Q's; or None."""
     _, heads, _, dim = attention.shape
-    (_, _, q_offset), (_, _, k_offset), _ = attention.sources
-    if width != dim or q_offset % width or k_offset != q_offset + heads * dim:
+    (_, _, q_offset), (_, _, k_offset), (_, _, v_offset) = attention.sources
+    if width != dim or q_offset % width or k_offset != q_offset + heads * dim or q_offset <= v_offset < k_offset + heads * dim:
         return None
     cos_shape = [int(d) for d in attention.rotary[0].cos.ty.shape]
     return q_offset // width, q_offset // width + 2 * heads, cos_shape[0] * cos_shape[2]
@@ -99,9 +99,12 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
 def attention_rewrite(lanes: int, amx_bf16: bool = False):
     """The module pass: each fp32 ``matmul(softmax(matmul(Q, K^T) [* or / scale] [+ mask]), V)``
     whose Q, K and V are head-major views of row-major [tokens, heads x dim] values (reshapes,
-    transposes, the split of a fused projection; in a packed build, their gather into the
-    [batch, seq] grid) becomes one call of the kernel on those values;
-    the transpose of its result back to [batch, seq, heads, dim] becomes the kernel's output.
+    transposes, the split or slices of a fused projection; in a packed build, their gather into
+    the [batch, seq] grid), or such views with rotary positions applied (ModernBERT's Q and K),
+    becomes one call of the kernel on those values (on the projection's panel-major variant where
+    ``_panel_sources`` says so, which then applies the rotary positions, emitted where the
+    first attention reading it is); the transpose of its result back to [batch, seq, heads, dim]
+    becomes the kernel's output.
     What else uses the views or the scores keeps them (dead code goes). DeBERTa's position
     scores are gathered by the kernel from their two products (``kernels/attention.Positions``),
     with no [batch x heads, seq, seq] tensor of them. With ``amx_bf16``, the

@@ -4,13 +4,13 @@ in panels."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import ACTIVATION_ATTR, kernel, tile
+from tvmbert.kernels.fma import ACTIVATION_ATTR, GATED_ATTR, kernel, tile
 
 
 def panel_major_variant(call, function, lanes: int, rotary: tuple[int, int, int] | None = None):
     """``(kernel, shape)``: the kernel ``function`` (one of ``kernel``'s) that the Relax
     ``call_tir`` ``call`` runs, made to write its result panel-major, and that result's shape
-    ``[n / width, m, width]``; None for one with a residual, or with an activation or panels of
+    ``[n / width, m, width]``; None for one with a residual or a gated activation, or with an activation or panels of
     an odd number of vectors where it is to rotate (``rotary``, ``kernels/fma.kernel``'s). Writing
     a tile's rows into one panel is cheaper than into rows ``n`` floats apart (CHANGELOG.md,
     2026-11-22), and where the panel width is the head size (6 x 4 tiles, bert-base), each panel
@@ -20,7 +20,7 @@ def panel_major_variant(call, function, lanes: int, rotary: tuple[int, int, int]
     from tvmbert.ir.dataflow import static_shape
 
     x, wp, _, r = (static_shape(arg) for arg in call.args[1].fields)
-    if r != (1,):
+    if r != (1,) or bool(function.attrs[GATED_ATTR]):
         return None
     lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
     m, width = int(np.prod(lead)), wp[2]
