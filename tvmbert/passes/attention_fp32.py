@@ -42,6 +42,7 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
     the Rotary of their Q: ``_rotated_in_projection``)."""
     from tvm import relax
 
+    from tvmbert.ir.dataflow import static_shape
     from tvmbert.kernels import fma
     from tvmbert.passes.fma_fp32 import panel_major_variant
 
@@ -79,11 +80,10 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
         if not callee.attrs or fma.KERNEL_ATTR not in callee.attrs:
             continue
         if all(var in found for var in live if source in reads.get(var, ())):
-            variant = panel_major_variant(value, callee, lanes)
             readers = [attention for var, attention in rotated.items() if attention.sources[0][0].same_as(source)]
-            panels = _rotary_panels(readers[0], variant[1][2]) if variant is not None and readers else None
-            if readers:
-                variant = panel_major_variant(value, callee, lanes, panels) if panels else None
+            width = static_shape(value.args[1].fields[1])[2]  # the weight's panels, [n / width, k, width]
+            panels = _rotary_panels(readers[0], width) if readers else None
+            variant = panel_major_variant(value, callee, lanes, panels) if panels or not readers else None
             if variant is not None:
                 candidates[source] = (*variant, readers[0].rotary[0] if readers else None, panels)
     mixed = True

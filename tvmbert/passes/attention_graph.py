@@ -89,24 +89,32 @@ class Dataflow:
             return float(expr.value.numpy().reshape(()))
         return None
 
+    def one_axis_slice(self, expr):
+        """(x, x's shape, axis, begin, end) of a step-1 ``strided_slice`` of x along one axis (end
+        at most its size), or None."""
+        from tvmbert.ir.dataflow import static_shape as shape_of
+
+        if self.op_of(expr) != "relax.strided_slice":
+            return None
+        call = self.values[expr]
+        source, shape = call.args[0], shape_of(call.args[0])
+        if shape is None or len(call.args[1].fields) != 1 or (len(call.args) > 4 and any(int(f) != 1 for f in call.args[4].fields)):
+            return None
+        axis = int(call.args[1].fields[0]) % len(shape)
+        return source, shape, axis, int(call.args[2].fields[0]), min(int(call.args[3].fields[0]), shape[axis])
+
     def column_slice(self, view, rows: int):
         """(source, offset) where ``view`` is a slice of ``source`` [*rows, a, ...] along its first
         axis past the rows (ModernBERT's ``qkv[:, :, i]`` of its [rows, 3, heads, dim] projection):
         the columns from ``offset`` of the source's [rows, columns]; None for anything else."""
         import numpy as np
 
-        from tvmbert.ir.dataflow import static_shape as shape_of
-
-        if self.op_of(view) != "relax.strided_slice":
+        sliced = self.one_axis_slice(view)
+        if sliced is None:
             return None
-        call = self.values[view]
-        source, shape = call.args[0], shape_of(call.args[0])
-        if shape is None or len(call.args[1].fields) != 1 or (len(call.args) > 4 and any(int(f) != 1 for f in call.args[4].fields)):
-            return None
-        axis = int(call.args[1].fields[0]) % len(shape)
+        source, shape, axis, begin, _ = sliced
         if int(np.prod(shape[:axis])) != rows:
             return None
-        begin = int(call.args[2].fields[0])
         return (source, begin * int(np.prod(shape[axis + 1:]))) if 0 <= begin < shape[axis] else None
 
     def columns_of(self, view, rows: int, width: int):
@@ -412,24 +420,12 @@ class Dataflow:
         parts = getattr(self.values[expr].args[0], "fields", ())
         if len(parts) != 2 or self.op_of(parts[0]) != "relax.negative":
             return None
-        upper, lower = self.last_axis_slice(self.values[parts[0]].args[0]), self.last_axis_slice(parts[1])
+        upper, lower = self.one_axis_slice(self.values[parts[0]].args[0]), self.one_axis_slice(parts[1])
         half = shape[-1] // 2
-        if upper and lower and upper[0].same_as(lower[0]) and upper[1:] == (half, shape[-1]) and lower[1:] == (0, half):
+        if (upper and lower and upper[0].same_as(lower[0]) and upper[2] == lower[2] == len(shape) - 1
+                and upper[3:] == (half, shape[-1]) and lower[3:] == (0, half)):
             return upper[0]
         return None
-
-    def last_axis_slice(self, expr):
-        """(x, begin, end) of a step-1 slice of x's last axis (end at most its size), or None."""
-        from tvmbert.ir.dataflow import static_shape as shape_of
-
-        if self.op_of(expr) != "relax.strided_slice":
-            return None
-        call = self.values[expr]
-        source, shape = call.args[0], shape_of(call.args[0])
-        if (shape is None or len(call.args[1].fields) != 1 or int(call.args[1].fields[0]) % len(shape) != len(shape) - 1
-                or (len(call.args) > 4 and any(int(f) != 1 for f in call.args[4].fields))):
-            return None
-        return source, int(call.args[2].fields[0]), min(int(call.args[3].fields[0]), shape[-1])
 
     def gathered_heads(self, view):
         """The packed build's ``reshape(take(take(X, 0, axis=0), rows, axis=1), [H, B, S, D])``

@@ -34,6 +34,11 @@ def kernels_in(module, attribute: str) -> list[str]:
                   if isinstance(f, tirx.PrimFunc) and f.attrs and attribute in f.attrs)
 
 
+def _op_of(value):
+    """The Relax operator a bound value calls (``relax.add``), or None for anything else."""
+    return getattr(getattr(value, "op", None), "name", None)
+
+
 class Epilogues:
     """What folds into a kernel of ours as it stores its result: ``add(matmul(x, W), b)`` (either
     order, b a weight of N values, the product used by nothing else), or a bare ``matmul(x, W)``
@@ -46,9 +51,9 @@ class Epilogues:
     the attention output's and the FFN's: kernels of their own otherwise, each a pass over the rows), where
     ``takes_residual(sizes)`` (the kernel adds it as it stores, and the rows need no padding).
 
-    Or a gated activation, one of ``gated_activations``: ``act(one half) * the other half`` of
-    the sum (a view of it) split in two along its columns (ModernBERT's GeGLU), where
-    ``takes_gate(sizes)``, the kernel then writing that product alone, half the sum's columns
+    Or, where ``takes_gate(sizes)``, a gated activation: ``act(one half) * the other half`` of
+    the sum (a view of it) split in two along its columns, act one of ``activations``
+    (ModernBERT's GeGLU), the kernel then writing that product alone, half the sum's columns
     (``gates`` says which half is activated).
 
     And a cast of the (activated) sum to one of ``output_dtypes``, its only use, makes the kernel
@@ -57,15 +62,12 @@ class Epilogues:
     ``fits(call)`` says which matmuls the kernel takes (their sizes, or None); the rewriter calls
     ``visit_binding`` first for every binding and emits nothing more where it returns True."""
 
-    def __init__(self, function, weights: set, fits, activations, takes_residual, output_dtypes=(), gated_activations=(),
-                 takes_gate=lambda sizes: False):
+    def __init__(self, function, weights: set, fits, activations, takes_residual, output_dtypes=(), takes_gate=None):
         from tvm import relax
 
         bindings, values, uses = dataflow(function)
         self.values, self.uses = values, uses
-
-        def op_of(value):
-            return getattr(getattr(value, "op", None), "name", None)
+        op_of = _op_of
 
         self.sums = {}  # the var the kernel's call replaces (the bias add's, or a bare matmul's) -> (matmul, bias or None, sizes)
         self.products = set()  # the matmuls' vars: dead once their add is the kernel's call
@@ -111,8 +113,8 @@ class Epilogues:
                 self.activation[reshape.args[0]] = op_of(binding.value)
                 self.activated[binding.var] = reshape.args[0]
         for binding in bindings:
-            if (gated_activations and isinstance(binding.var, relax.DataflowVar) and op_of(binding.value) == "relax.multiply"
-                    and (gate := self.gated(binding.value, gated_activations, takes_gate)) is not None):
+            if (takes_gate and isinstance(binding.var, relax.DataflowVar) and op_of(binding.value) == "relax.multiply"
+                    and (gate := self.gated(binding.value, activations, takes_gate)) is not None):
                 total, activation, activated_half, views = gate
                 self.activation[total], self.gates[total] = activation, activated_half
                 self.activated[binding.var] = total
@@ -142,11 +144,7 @@ class Epilogues:
 
         from tvmbert.ir.dataflow import static_shape
 
-        values, uses = self.values, self.uses
-
-        def op_of(value):
-            return getattr(getattr(value, "op", None), "name", None) if isinstance(value, relax.Call) else None
-
+        values, uses, op_of = self.values, self.uses, _op_of
         for activated, gate in (product.args, product.args[::-1]):
             applied = values.get(activated)
             if op_of(applied) not in activations or uses.get(activated) != 1:
@@ -161,9 +159,11 @@ class Epilogues:
             shape = static_shape(split.args[0]) if op_of(split) == "relax.split" else None
             if not shape or int(split.attrs.axis) % len(shape) != len(shape) - 1:
                 continue
-            sections = split.attrs.indices_or_sections
-            halves = int(getattr(sections, "value", sections)) == 2 if not hasattr(sections, "__len__") else \
-                [int(s) for s in sections] == [shape[-1] // 2] and shape[-1] % 2 == 0
+            sections = split.attrs.indices_or_sections  # a count, or the indices it splits at
+            if hasattr(sections, "__len__"):
+                halves = [int(s) for s in sections] == [shape[-1] // 2] and shape[-1] % 2 == 0
+            else:
+                halves = int(sections) == 2
             view = split.args[0]
             total = values[view].args[0] if op_of(values.get(view)) == "relax.reshape" and uses.get(view) == 1 else view
             if (not halves or total not in self.sums or uses.get(total) != 1 or total in self.residual
@@ -256,7 +256,7 @@ def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_ker
         def start(self, function):
             self.weights = weights_of(function)
             self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS, takes_residual=lambda sizes: True,
-                                       gated_activations=ACTIVATIONS if takes_gate else (), takes_gate=takes_gate)
+                                       takes_gate=takes_gate)
 
         def fits(self, call):
             sizes = weight_matmul_sizes(call, self.weights)
