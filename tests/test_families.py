@@ -337,6 +337,16 @@ def test_a_deberta_with_one_position_term_computes_that_one_in_the_kernel(tvmber
     assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_deberta_v2_with_a_convolution_layer_verifies_in_its_dtype(tvmbert, tmp_path, dtype):
+    """DeBERTa-v2 (xlarge's config) adds a Conv1d beside its first layer; TVM's importer would make
+    it float32 whatever the model's dtype, and a float64 build would not type-check."""
+    folder = _save(tmp_path / "model", "DebertaV2Model", **dict(DEBERTA_V3_SMALL, conv_kernel_size=3, conv_act="gelu"))
+    verified = tvmbert("verify", folder, "--batch", "2", "--seq-len", "16", "--dtype", dtype, "--log-dir", str(tmp_path),
+                       "--workdir", str(tmp_path / "work"), "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
+
+
 def test_debertas_position_scores_compute_only_the_relative_positions_the_text_reaches(tvmbert, workdir):
     """4 tokens reach relative positions -3 to 3: 7 of the tiny preset's 16 position columns
     (8 buckets either side), which the c2p and p2c matmuls compute alone (gather-columns), in

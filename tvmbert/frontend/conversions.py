@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 
-def dtype_preserving_matmuls() -> dict:
-    """TVM 0.27's importer gives every matmul out_dtype="float32", which silently turns a float64
-    model into a mixed one that does not even type-check; these keep the inputs' dtype."""
+def dtype_preserving_ops() -> dict:
+    """TVM 0.27's importer gives every matmul and convolution out_dtype="float32", which silently
+    turns a float64 model into a mixed one that does not even type-check (DeBERTa-v2's
+    ``conv_kernel_size`` layer is a Conv1d); these keep the inputs' dtype."""
     from tvm import relax
 
     def matmul(node, importer):
@@ -24,4 +25,25 @@ def dtype_preserving_matmuls() -> dict:
             bias = emit(relax.op.multiply(bias, relax.const(beta, dtype)))
         return emit(relax.op.add(bias, product)) if beta != 0 else product
 
-    return {"matmul.default": matmul, "mm.default": matmul, "bmm.default": matmul, "addmm.default": addmm}
+    def conv1d(x, weight, bias, stride, padding, dilation, groups, importer):
+        out = importer.block_builder.emit(relax.op.nn.conv1d(
+            x, weight, strides=stride, padding=padding, dilation=dilation, groups=groups, data_layout="NCW",
+            kernel_layout="OIW", out_dtype=str(x.ty.dtype)))
+        if bias is None:
+            return out
+        return importer.block_builder.emit(relax.op.add(out, relax.op.reshape(bias, (1, -1, 1))))
+
+    def conv1d_op(node, importer):
+        args = importer.retrieve_args(node)
+        return conv1d(*args, *(None, None, None, 1, 0, 1, 1)[len(args):], importer)
+
+    def convolution(node, importer):  # what torch.export makes of a Conv1d
+        args = importer.retrieve_args(node)
+        x, weight, bias, stride, padding, dilation, transposed, _, groups = (
+            *args, *(None, None, None, 1, 0, 1, False, 0, 1)[len(args):])
+        if transposed or x.ty.ndim != 3:
+            return importer._convolution(node)
+        return conv1d(x, weight, bias, stride, padding, dilation, groups, importer)
+
+    return {"matmul.default": matmul, "mm.default": matmul, "bmm.default": matmul, "addmm.default": addmm,
+            "conv1d.default": conv1d_op, "convolution.default": convolution}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.errors import StageFailed
 from tvmbert.deploy.weights import PARAMS_FILE, save_params
-from tvmbert.frontend.conversions import dtype_preserving_matmuls
+from tvmbert.frontend.conversions import dtype_preserving_ops
 from tvmbert.ir.files import PROGRAM_FILE, save_module
 from tvmbert.passes.bounded_takes import bounded_takes
 from tvmbert.stages.cached import CachedStage
@@ -26,7 +26,7 @@ def convert(job: Job, force: bool = False) -> Artifact:
     program = torch.export.load(traced.file(PROGRAM_FILE))
     try:
         module = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True,
-                                       custom_convert_map=dtype_preserving_matmuls())
+                                       custom_convert_map=dtype_preserving_ops())
     except Exception as exc:
         raise StageFailed(f"Relax import failed: {str(exc).splitlines()[0]}") from exc
     module, params = relax.frontend.detach_params(bounded_takes()(module))

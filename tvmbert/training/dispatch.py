@@ -371,7 +371,7 @@ def export(forward, module, inputs):
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    from tvmbert.frontend.conversions import dtype_preserving_matmuls
+    from tvmbert.frontend.conversions import dtype_preserving_ops
 
     sites = dropout_sites(forward, inputs)
     masks = [torch.ones(s.shape, dtype=s.dtype, device=inputs[0].device) for s in sites]
@@ -382,7 +382,7 @@ def export(forward, module, inputs):
         raise InputError(f"add_tvm_dispatch: torch.export cannot trace {type(module).__name__}: "
                          f"{str(exc).splitlines()[0]}") from None
     relax_module = from_exported_program(program, keep_params_as_input=True,
-                                         custom_convert_map=dtype_preserving_matmuls())
+                                         custom_convert_map=dtype_preserving_ops())
     main = relax_module["main"]
     targets_by_arg = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target}
     n_primal = len(inputs) + len(sites)
