@@ -347,6 +347,32 @@ def test_a_deberta_v2_with_a_convolution_layer_verifies_in_its_dtype(tvmbert, tm
     assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
+def test_a_deberta_v3_folder_with_its_sentencepiece_tokenizer_reads_text_and_exports_it(tvmbert, tmp_path):
+    """DeBERTa-v3 ships its tokenizer as ``spm.model`` (a SentencePiece model) and no
+    tokenizer.json: ``--text`` reads it, an export carries it; an unreadable one is one line."""
+    import json
+
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(Path(__file__).read_text().split(".")))
+    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "spm"), vocab_size=200,
+                                             pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]",
+                                             eos_piece="[SEP]", unk_piece="[UNK]", minloglevel=2)
+    folder = Path(_save(tmp_path / "model", "DebertaV2ForTokenClassification", **dict(DEBERTA_V3_SMALL, vocab_size=200)))
+    (folder / "spm.model").write_bytes((tmp_path / "spm.model").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "vocab_type": "spm"}))
+    common = ("--log-dir", str(tmp_path), "--workdir", str(tmp_path / "work"))
+    verified = tvmbert("verify", str(folder), "--text", "a test compiles the model", "--seq-len", "16", *common, "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
+    exported = tvmbert("export", str(folder), "--output", str(tmp_path / "package"), "--batch", "1", "--seq-len", "16", *common)
+    assert exported.code == 0, exported.stderr
+    assert (tmp_path / "package" / "tokenizer" / "spm.model").is_file()
+    assert (tmp_path / "package" / "tokenizer" / "tokenizer.json").is_file()
+    (folder / "spm.model").write_bytes(b"not a sentencepiece model")
+    assert_one_line_error(tvmbert("verify", str(folder), "--text", "a test", *common), "cannot load the tokenizer in")
+
+
 def test_debertas_position_scores_compute_only_the_relative_positions_the_text_reaches(tvmbert, workdir):
     """4 tokens reach relative positions -3 to 3: 7 of the tiny preset's 16 position columns
     (8 buckets either side), which the c2p and p2c matmuls compute alone (gather-columns), in

@@ -362,6 +362,18 @@ def make_inputs(source: ModelSource, ids, mask, segments) -> ExampleInputs:
     return ExampleInputs({name: given[name] for name in source.inputs})
 
 
+def tokenizer_of(source: ModelSource):
+    """The model's own tokenizer, from its files. One its folder holds but transformers cannot
+    read (a file of another version, a library it needs missing) is the user's to mend, in one line."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 (transformers raises any kind for a folder it cannot read)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise InputError(f"cannot load the tokenizer in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
+
+
 def has_tokenizer(source: ModelSource) -> bool:
     return source.path is not None and any(
         (source.path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")
@@ -404,9 +416,8 @@ def check_seq_len(source: ModelSource, seq_len: int) -> None:
 
 def _tokenized(source: ModelSource, batch: int, seq_len: int | None, text: str) -> ExampleInputs:
     import torch
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    tokenizer = tokenizer_of(source)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     # Segment ids as in the TorchScript tutorial: 0 up to and including the first [SEP], then 1.
     sep = tokenizer.sep_token_id
@@ -431,9 +442,8 @@ def tokenized_texts(source: ModelSource, texts: list[str], batch: int, seq_len: 
     """``texts`` through the model's own tokenizer (special tokens, truncated and padded to
     ``seq_len``), in inputs of ``batch`` rows; the last one's missing rows repeat its first."""
     import torch
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+    tokenizer = tokenizer_of(source)
     encoded = tokenizer(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
     given = {name: encoded[name] if name in encoded else torch.zeros_like(encoded["input_ids"]) for name in
              ("input_ids", "attention_mask", "token_type_ids")}

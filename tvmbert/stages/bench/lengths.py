@@ -75,9 +75,7 @@ def _range(lengths: str) -> tuple[int, int]:
 def _texts(job: Job, path: Path) -> list[tuple[np.ndarray, np.ndarray]]:
     if not models.has_tokenizer(job.source):
         raise InputError(f"--lengths {path}: texts need a tokenizer, and '{job.source.name}' has none (use A-B)")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(job.source.path, local_files_only=True)
+    tokenizer = models.tokenizer_of(job.source)
     texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
     if not texts:
         raise InputError(f"--lengths {path} holds no text")
