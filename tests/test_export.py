@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -412,3 +413,43 @@ np.save(sys.argv[3], tvmbert.load(sys.argv[1])(ids, attention_mask=mask, token_t
         want = reference(*(torch.from_numpy(a) for a in (ids, mask, segments)))[0].numpy()
     real = mask.astype(bool)
     assert np.abs(np.load(tmp_path / "hidden.npy")[real] - want[real]).max() < 5e-2  # bf16 against fp32 PyTorch
+
+
+@pytest.mark.parametrize("class_name, config", [
+    # Its local layers' window (8) below the rows' lengths; a global layer first.
+    ("ModernBertForTokenClassification", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=2, intermediate_size=96,
+                                              local_attention=8, pad_token_id=0, num_labels=4)),
+    ("DebertaV2ForQuestionAnswering", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                           relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+                                           max_relative_positions=-1, share_att_key=True, norm_rel_ebd="layer_norm",
+                                           position_biased_input=False, type_vocab_size=0, num_labels=2)),
+])
+def test_modernbert_and_deberta_packages_answer_a_mixed_batch_as_transformers_does(tmp_path, workdir, class_name, config):
+    """The two families' heads through export and load; ModernBERT's packed buckets too (its
+    padding-free path: a row's tokens attend within their row and window)."""
+    import torch
+    import transformers
+
+    folder = tmp_path / "model"
+    torch.manual_seed(4)
+    model_class = getattr(transformers, class_name)
+    model_class(model_class.config_class(vocab_size=300, max_position_embeddings=64, **config)).save_pretrained(folder)
+    out = tmp_path / "package"
+    packed = class_name.startswith("ModernBert")
+    manifest = export(JobConfig(model=str(folder), workdir=str(workdir)), out, batches=(4,), seq_lens=(32,), packed=packed)
+    assert any(bucket.get("tokens") for bucket in manifest["buckets"]) == packed
+    ids, _, _ = random_inputs(np.random.default_rng(5), 4, 32, vocab=300)
+    lengths = [20, 7, 3, 2]  # 32 tokens, which the smaller packed bucket holds; the longest past the window
+    mask = (np.arange(32)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    package = load(out)
+    # A tiny model's timings may rank the buckets either way: the padded one priced out, so that
+    # the packed path is what runs.
+    package.buckets = [dataclasses.replace(b, cost_ms=1e9) if b.tokens is None and packed else b for b in package.buckets]
+    assert [package.buckets[index].tokens is not None for index, _ in package.plan(lengths)] == [packed]
+    got = package(ids, attention_mask=mask)
+    reference = models.load(models.resolve(str(folder)))
+    with torch.no_grad():
+        want = reference(torch.from_numpy(ids), torch.from_numpy(mask))
+    real = mask.astype(bool)
+    for name, value in zip(got, want):
+        assert np.abs(got[name][real] - value.numpy()[real]).max() < 1e-4, name
