@@ -150,7 +150,9 @@ def test_a_gate_read_elsewhere_keeps_the_split():
 
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
-@pytest.mark.parametrize("block_rows", [8, 12])  # AVX2 tiles of 4 rows: blocks of 2 and 3; AVX-512 tiles of 8: 1
+# AVX2 tiles of 4 rows: blocks of 2, 3 and 5 tiles; AVX-512 tiles of 8: 1, 1 and 3. Blocks of 24
+# rows are two, whose (block, panel) pairs the threads share out; more go one after another.
+@pytest.mark.parametrize("block_rows", [8, 12, 24])
 def test_rows_done_a_block_at_a_time_give_the_one_sweeps_result(lanes, block_rows):
     import tvm
 
