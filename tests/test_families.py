@@ -340,7 +340,8 @@ def test_a_deberta_with_one_position_term_computes_that_one_in_the_kernel(tvmber
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_a_deberta_v2_with_a_convolution_layer_verifies_in_its_dtype(tvmbert, tmp_path, dtype):
     """DeBERTa-v2 (xlarge's config) adds a Conv1d beside its first layer; TVM's importer would make
-    it float32 whatever the model's dtype, and a float64 build would not type-check."""
+    it float32 whatever the model's dtype, and a float64 build would not type-check (float32:
+    the converter that replaces TVM's gives the same model there)."""
     folder = _save(tmp_path / "model", "DebertaV2Model", **dict(DEBERTA_V3_SMALL, conv_kernel_size=3, conv_act="gelu"))
     verified = tvmbert("verify", folder, "--batch", "2", "--seq-len", "16", "--dtype", dtype, "--log-dir", str(tmp_path),
                        "--workdir", str(tmp_path / "work"), "--json")
@@ -354,8 +355,9 @@ def test_a_deberta_v3_folder_with_its_sentencepiece_tokenizer_reads_text_and_exp
 
     import sentencepiece
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(Path(__file__).read_text().split(".")))
+    corpus = tmp_path / "corpus.txt"  # sentences with every letter, repeated into enough text for 200 pieces
+    corpus.write_text("\n".join(f"{i} the quick brown fox jumps over the lazy dog; sphinx of black quartz, judge my vow {i * 7}"
+                                for i in range(400)))
     sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "spm"), vocab_size=200,
                                              pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]",
                                              eos_piece="[SEP]", unk_piece="[UNK]", minloglevel=2)
@@ -363,7 +365,7 @@ def test_a_deberta_v3_folder_with_its_sentencepiece_tokenizer_reads_text_and_exp
     (folder / "spm.model").write_bytes((tmp_path / "spm.model").read_bytes())
     (folder / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False, "vocab_type": "spm"}))
     common = ("--log-dir", str(tmp_path), "--workdir", str(tmp_path / "work"))
-    verified = tvmbert("verify", str(folder), "--text", "a test compiles the model", "--seq-len", "16", *common, "--json")
+    verified = tvmbert("verify", str(folder), "--text", "the quick brown fox judges", "--seq-len", "32", *common, "--json")
     assert verified.code == 0 and verified.json["passed"], verified.stderr
     exported = tvmbert("export", str(folder), "--output", str(tmp_path / "package"), "--batch", "1", "--seq-len", "16", *common)
     assert exported.code == 0, exported.stderr

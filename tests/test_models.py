@@ -100,3 +100,28 @@ def test_trace_of_a_directory_with_shape_options(tvmbert, bert_dir):
     outcome = tvmbert("trace", str(bert_dir), "--seq-len", "32", "--batch", "4", "--json")
     assert outcome.code == 0, outcome.stderr
     assert outcome.json["inputs"]["input_ids"]["shape"] == [4, 32]
+
+
+@pytest.mark.parametrize("decomposed", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_float64_conv1d_imports_as_float64_and_computes_what_torch_does(decomposed, bias):
+    """TVM's importer makes every convolution float32; ours keep a float64 Conv1d float64, as
+    ``convolution.default`` (torch.export's decompositions) and as ``conv1d.default``."""
+    import numpy as np
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from tvmbert.frontend.conversions import dtype_preserving_ops
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(6, 4, 3, padding=1, groups=2, bias=bias).double().eval()
+    x = torch.randn(2, 6, 9, dtype=torch.float64)
+    program = torch.export.export(conv, (x,))
+    module = from_exported_program(program, run_ep_decomposition=decomposed, unwrap_unit_return_tuple=True,
+                                   custom_convert_map=dtype_preserving_ops())
+    assert "float32" not in module.script()
+    executable = relax.build(module, target="llvm")
+    got = relax.VirtualMachine(executable, tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    with torch.no_grad():
+        np.testing.assert_allclose(got.numpy(), conv(x).numpy(), rtol=1e-12, atol=1e-12)

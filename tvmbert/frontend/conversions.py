@@ -5,8 +5,9 @@ from __future__ import annotations
 
 def dtype_preserving_ops() -> dict:
     """TVM 0.27's importer gives every matmul and convolution out_dtype="float32", which silently
-    turns a float64 model into a mixed one that does not even type-check (DeBERTa-v2's
-    ``conv_kernel_size`` layer is a Conv1d); these keep the inputs' dtype."""
+    turns a float64 model into a mixed one that does not even type-check; these keep the inputs'
+    dtype for matmuls and 1-D convolutions (DeBERTa-v2's ``conv_kernel_size`` layer is a Conv1d,
+    which torch.export's decompositions make ``convolution.default``)."""
     from tvm import relax
 
     def matmul(node, importer):

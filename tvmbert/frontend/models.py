@@ -362,6 +362,9 @@ def make_inputs(source: ModelSource, ids, mask, segments) -> ExampleInputs:
     return ExampleInputs({name: given[name] for name in source.inputs})
 
 
+SENTENCEPIECE_FILES = ("spm.model", "spiece.model", "sentencepiece.bpe.model")  # DeBERTa-v3's, ALBERT's and T5's, XLM-R's
+
+
 def tokenizer_of(source: ModelSource):
     """The model's own tokenizer, from its files. One its folder holds but transformers cannot
     read (a file of another version, a library it needs missing) is the user's to mend, in one line."""
@@ -376,7 +379,7 @@ def tokenizer_of(source: ModelSource):
 
 def has_tokenizer(source: ModelSource) -> bool:
     return source.path is not None and any(
-        (source.path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json")
+        (source.path / f).is_file() for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", *SENTENCEPIECE_FILES)
     )
 
 

@@ -59,7 +59,7 @@ def row_blocks(m: int, rows: int, row_bytes: int, block_rows: int | None = None)
     """How a matmul kernel walks ``m`` rows in tiles of ``rows``: (tiles a block holds, blocks,
     tiles a panel does in one block at most). A block is at most ``block_rows`` rows, or as many
     rows of ``row_bytes`` (a row's inputs and outputs) as ``BLOCK_BYTES`` holds, the tiles spread
-    evenly over as few blocks as that allows: where threads share out (block, panel) pairs, a
+    over as few blocks as that allows, the last one short by less than a tile a block: where threads share out (block, panel) pairs, a
     short last block would leave one idle while another finishes a long one. The rows past the
     last whole tile are one more tile, in the last block."""
     all_tiles = m // rows + (m % rows > 0)
@@ -146,7 +146,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     # cores each reads half of X, not all of it (ModernBERT's N = 768 matmuls at 512 rows, alone:
     # 5-7% faster). More go one at a time, each core taking some of every block's panels: a core's
     # share of W is read again by its next block, from L3 (1024 x 768 -> 2304 and 3072 -> 768,
-    # 8 blocks: 4-6% slower shared out).
+    # 7 and 8 blocks: 4-6% slower shared out).
     serial_blocks, parallel_blocks = (1, blocks) if blocks <= 2 else (blocks, 1)
     steps = panel_tiles * k_blocks
     # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles

@@ -134,7 +134,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
     out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of
     ``lead``) any row count; without ``residual``, r is one unread float. The rows go a block at a
-    time, as ``fma.kernel``'s (``fma.row_blocks``)."""
+    time, in ``fma.row_blocks``' blocks (not yet measured with fma.kernel's two blocks shared out)."""
     import tvm
     from tvm.script import tirx as T
 

@@ -49,7 +49,7 @@ DEFAULT_SEQ_LENS = (16, 32, 64, 128, 256, 512)  # up to the model's max position
 WEIGHTS_FILE = "weights.npz"
 POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")  # sentence-transformers' names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model", "spm.model")
+                   "merges.txt", "added_tokens.json", *models.SENTENCEPIECE_FILES)
 SHORT_TEXT = "Hello"  # the example text of buckets shorter than the default one (trace needs some tokens)
 TIMED_RUNS = 5  # per bucket, after one warm-up: the cost the loader's planner weighs buckets by
 # A packed bucket per fraction of batch x seq_len tokens; the padded bucket serves full batches
