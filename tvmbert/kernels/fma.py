@@ -6,11 +6,12 @@ this machine's ~400 (two Sapphire Rapids cores: a loop of register-only FMAs run
 each) after 300 trials each, and TVM offers no fp32
 micro-kernel intrinsic. This kernel is the classic BLAS one (MLAS, oneDNN): the weight packed once
 at build time into panels of ``vectors x lanes`` columns (``Wp[N / width, K, width]``, each panel
-contiguous), each thread owning whole panels of a block of rows (or two blocks' panels); per tile of ``rows`` rows, ``rows x vectors``
-accumulator registers for the whole reduction, each k step one broadcast per row and one load per
-vector; bias, activation (a gated one too: GeGLU), residual or rotary positions applied as the
-tile is stored (``passes/kernel_calls.Epilogues``, ``passes/attention_fp32``): each is one more pass
-over the result otherwise, and rotary positions a copy of Q and K head-major too.
+contiguous), each thread owning whole panels of a block of rows (or of two blocks); per tile of
+``rows`` rows, ``rows x vectors`` accumulator registers for the whole reduction, each k step one
+broadcast per row and one load per vector; bias, activation (a gated one too: GeGLU), residual
+or rotary positions applied as the tile is stored (``passes/kernel_calls.Epilogues``,
+``passes/attention_fp32``): each is one more pass over the result otherwise, and rotary positions
+a copy of Q and K head-major too.
 A panel is read from memory once, by the first row tile, and the next tiles find it in cache; the
 first would stall on memory, so while a panel is computed the kernel prefetches the next one,
 spread evenly over the panel's row tiles. Measured on
@@ -55,17 +56,17 @@ def min_rows(target_key: str) -> int:
     return MIN_ROWS.get(target_key, 1)
 
 
-def row_blocks(m: int, rows: int, row_bytes: int, block_rows: int | None = None) -> tuple[int, int, int]:
-    """How a matmul kernel walks ``m`` rows in tiles of ``rows``: (tiles a block holds, blocks,
-    tiles a panel does in one block at most). A block is at most ``block_rows`` rows, or as many
-    rows of ``row_bytes`` (a row's inputs and outputs) as ``BLOCK_BYTES`` holds, the tiles spread
-    over as few blocks as that allows, the last one short by less than a tile a block: where threads share out (block, panel) pairs, a
+def row_blocks(m: int, rows: int, row_bytes: int, block_rows: int | None = None) -> tuple[int, int]:
+    """How a matmul kernel walks ``m`` rows in tiles of ``rows``: (tiles a block holds, blocks).
+    A block is at most ``block_rows`` rows, or as many rows of ``row_bytes`` (a row's inputs and
+    outputs) as ``BLOCK_BYTES`` holds, the tiles spread over as few blocks as that allows, the
+    last one short by less than a tile a block: where threads share out (block, panel) pairs, a
     short last block would leave one idle while another finishes a long one. The rows past the
     last whole tile are one more tile, in the last block."""
     all_tiles = m // rows + (m % rows > 0)
     most_tiles = max(1, (block_rows or BLOCK_BYTES // row_bytes) // rows)
     block_tiles = -(-all_tiles // -(-all_tiles // most_tiles))
-    return block_tiles, -(-all_tiles // block_tiles), block_tiles
+    return block_tiles, -(-all_tiles // block_tiles)
 
 
 def tile(n: int, lanes: int, gated: bool = False) -> tuple[int, int] | None:
@@ -141,14 +142,14 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     k_block = max(d for d in range(1, 17) if k % d == 0)  # k steps unrolled between prefetches
     k_blocks = k // k_block
     panel_lines = k * width * 4 // CACHE_LINE
-    block_tiles, blocks, panel_tiles = row_blocks(m, rows, (k + n) * 4, block_rows)
+    block_tiles, blocks = row_blocks(m, rows, (k + n) * 4, block_rows)
     # Two blocks are shared out with the panels, (block, panel) pairs in that order, so that on 2
     # cores each reads half of X, not all of it (ModernBERT's N = 768 matmuls at 512 rows, alone:
     # 5-7% faster). More go one at a time, each core taking some of every block's panels: a core's
     # share of W is read again by its next block, from L3 (1024 x 768 -> 2304 and 3072 -> 768,
     # 7 and 8 blocks: 4-6% slower shared out).
     serial_blocks, parallel_blocks = (1, blocks) if blocks <= 2 else (blocks, 1)
-    steps = panel_tiles * k_blocks
+    steps = block_tiles * k_blocks  # of a panel's pass over a block
     # Lines of the next panel to prefetch per k block; none where a panel has so many row tiles
     # that its first one's stall no longer counts (8 x 128 rows: 128 tiles).
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0

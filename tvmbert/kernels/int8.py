@@ -146,8 +146,8 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     words = k // DEPTH  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
     panel_lines = k * width // CACHE_LINE
-    block_tiles, blocks, panel_tiles = row_blocks(m, rows, k + n * 4, block_rows)
-    steps = panel_tiles * words
+    block_tiles, blocks = row_blocks(m, rows, k + n * 4, block_rows)
+    steps = block_tiles * words
     per_step = -(-panel_lines // steps) if 2 * panel_lines >= steps else 0
     group_rows = STACK_BYTES // (width * 4)
     assert rows <= 2 * group_rows, (rows, width)

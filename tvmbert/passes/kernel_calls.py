@@ -67,7 +67,6 @@ class Epilogues:
 
         bindings, values, uses = dataflow(function)
         self.values, self.uses = values, uses
-        op_of = _op_of
 
         self.sums = {}  # the var the kernel's call replaces (the bias add's, or a bare matmul's) -> (matmul, bias or None, sizes)
         self.products = set()  # the matmuls' vars: dead once their add is the kernel's call
@@ -78,7 +77,7 @@ class Epilogues:
         self.skipped = set()  # views of a sum only its residual add (or its gated activation) used: nothing to emit
         self.gates = {}  # the add's var -> which half of its columns is activated (0 or 1), the other half gating it
         for binding in bindings:
-            if not isinstance(binding.var, relax.DataflowVar) or op_of(binding.value) != "relax.add":
+            if not isinstance(binding.var, relax.DataflowVar) or _op_of(binding.value) != "relax.add":
                 continue  # a block's output keeps its binding
             for product, bias in (binding.value.args, binding.value.args[::-1]):
                 sizes = fits(values.get(product)) if isinstance(values.get(product), relax.Call) else None
@@ -88,15 +87,15 @@ class Epilogues:
                     self.products.add(product)
                     break
         for binding in bindings:
-            if (isinstance(binding.var, relax.DataflowVar) and op_of(binding.value) == "relax.matmul"
+            if (isinstance(binding.var, relax.DataflowVar) and _op_of(binding.value) == "relax.matmul"
                     and binding.var not in self.products and (sizes := fits(binding.value))):
                 self.sums[binding.var] = (binding.value, None, sizes)
         for binding in bindings:
-            if not isinstance(binding.var, relax.DataflowVar) or op_of(binding.value) != "relax.add":
+            if not isinstance(binding.var, relax.DataflowVar) or _op_of(binding.value) != "relax.add":
                 continue
             for view, residual in (binding.value.args, binding.value.args[::-1]):
                 reshape = values.get(view)
-                if (op_of(reshape) == "relax.reshape" and uses.get(view) == 1 and reshape.args[0] in self.sums
+                if (_op_of(reshape) == "relax.reshape" and uses.get(view) == 1 and reshape.args[0] in self.sums
                         and uses.get(reshape.args[0]) == 1 and reshape.args[0] not in self.residual
                         and takes_residual(self.sums[reshape.args[0]][2]) and residual not in weights
                         and list(residual.ty.shape) == list(binding.var.ty.shape) and residual.ty.dtype == "float32"):
@@ -105,27 +104,27 @@ class Epilogues:
                     self.skipped.add(view)
                     break
         for binding in bindings:
-            view = binding.value.args[0] if op_of(binding.value) in activations else None
+            view = binding.value.args[0] if _op_of(binding.value) in activations else None
             reshape = values.get(view)
-            if (isinstance(binding.var, relax.DataflowVar) and op_of(reshape) == "relax.reshape" and uses.get(view) == 1
+            if (isinstance(binding.var, relax.DataflowVar) and _op_of(reshape) == "relax.reshape" and uses.get(view) == 1
                     and reshape.args[0] in self.sums and uses.get(reshape.args[0]) == 1
                     and reshape.args[0] not in self.residual):
-                self.activation[reshape.args[0]] = op_of(binding.value)
+                self.activation[reshape.args[0]] = _op_of(binding.value)
                 self.activated[binding.var] = reshape.args[0]
         for binding in bindings:
-            if (takes_gate and isinstance(binding.var, relax.DataflowVar) and op_of(binding.value) == "relax.multiply"
+            if (takes_gate and isinstance(binding.var, relax.DataflowVar) and _op_of(binding.value) == "relax.multiply"
                     and (gate := self.gated(binding.value, activations, takes_gate)) is not None):
                 total, activation, activated_half, views = gate
                 self.activation[total], self.gates[total] = activation, activated_half
                 self.activated[binding.var] = total
                 self.skipped.update(views)
         for binding in bindings:
-            source = binding.value.args[0] if op_of(binding.value) == "relax.reshape" else None
+            source = binding.value.args[0] if _op_of(binding.value) == "relax.reshape" else None
             if (source in self.activated and uses.get(source) == 1
                     and list(binding.var.ty.shape) == list(self.activated[source].ty.shape)):
                 self.activated[binding.var] = self.activated[source]
         for binding in bindings:
-            source = binding.value.args[0] if op_of(binding.value) == "relax.astype" else None
+            source = binding.value.args[0] if _op_of(binding.value) == "relax.astype" else None
             if source is None or str(binding.value.attrs.dtype) not in output_dtypes or uses.get(source) != 1:
                 continue
             total = source if source in self.sums else self.activated.get(source)
@@ -144,10 +143,10 @@ class Epilogues:
 
         from tvmbert.ir.dataflow import static_shape
 
-        values, uses, op_of = self.values, self.uses, _op_of
+        values, uses = self.values, self.uses
         for activated, gate in (product.args, product.args[::-1]):
             applied = values.get(activated)
-            if op_of(applied) not in activations or uses.get(activated) != 1:
+            if _op_of(applied) not in activations or uses.get(activated) != 1:
                 continue
             item = applied.args[0]
             first, second = values.get(item), values.get(gate)
@@ -156,7 +155,7 @@ class Epilogues:
                     and uses.get(item) == 1 and uses.get(gate) == 1 and uses.get(first.tuple_value) == 2):
                 continue
             split = values.get(first.tuple_value)
-            shape = static_shape(split.args[0]) if op_of(split) == "relax.split" else None
+            shape = static_shape(split.args[0]) if _op_of(split) == "relax.split" else None
             if not shape or int(split.attrs.axis) % len(shape) != len(shape) - 1:
                 continue
             sections = split.attrs.indices_or_sections  # a count, or the indices it splits at
@@ -165,12 +164,12 @@ class Epilogues:
             else:
                 halves = int(sections) == 2
             view = split.args[0]
-            total = values[view].args[0] if op_of(values.get(view)) == "relax.reshape" and uses.get(view) == 1 else view
+            total = values[view].args[0] if _op_of(values.get(view)) == "relax.reshape" and uses.get(view) == 1 else view
             if (not halves or total not in self.sums or uses.get(total) != 1 or total in self.residual
                     or total in self.activation or static_shape(total)[-1] != shape[-1] or not takes_gate(self.sums[total][2])):
                 continue
             views = {first.tuple_value, item, gate, activated} | ({view} if view is not total else set())
-            return total, op_of(applied), int(first.index), views
+            return total, _op_of(applied), int(first.index), views
         return None
 
     def visit_binding(self, mutator, binding, call_kernel) -> bool:
