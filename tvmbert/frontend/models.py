@@ -6,6 +6,7 @@ directories are opened with ``local_files_only``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import hashlib
@@ -279,22 +280,15 @@ def _from_directory(source: ModelSource, attn_implementation: str, seed: int):
     files (truncated or garbage weights, weights of other shapes than config.json says, weights
     missing)."""
     import torch
-    from transformers.utils import logging as hf_logging
 
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # its load report is a table; what matters in it is said below
-    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)  # weights it lacks, where allowed, are the same in every stage's load
     try:
-        model, info = model_class(source).from_pretrained(source.path, local_files_only=True, attn_implementation=attn_implementation,
-                                                          output_loading_info=True, ignore_mismatched_sizes=True)
+        with _transformers_quiet():  # its load report is a table; what matters in it is said below
+            model, info = model_class(source).from_pretrained(source.path, local_files_only=True,
+                                                              attn_implementation=attn_implementation,
+                                                              output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as exc:  # noqa: BLE001 - safetensors, pickle, torch and transformers each raise their own
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-        raise InputError(f"cannot load the model in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+        raise _unreadable("the model", source, exc) from None
     mismatched = sorted(info["mismatched_keys"])
     if mismatched:
         key, stored, expected = mismatched[0]
@@ -371,10 +365,32 @@ def tokenizer_of(source: ModelSource):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
+        with _transformers_quiet():  # its fallbacks' warnings ("Falling back to TikToken") say less than our line
+            return AutoTokenizer.from_pretrained(source.path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 (transformers raises any kind for a folder it cannot read)
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise InputError(f"cannot load the tokenizer in '{source.name}': {type(exc).__name__}: {first[:200]}") from None
+        raise _unreadable("the tokenizer", source, exc) from None
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' errors alone, and no progress bars, while it reads a user's folder."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _unreadable(what: str, source: ModelSource, exc: Exception) -> InputError:
+    """One line for a folder whose ``what`` a library could not read: its error's first line."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return InputError(f"cannot load {what} in '{source.name}': {type(exc).__name__}: {first[:200]}")
 
 
 def has_tokenizer(source: ModelSource) -> bool:
