@@ -55,6 +55,17 @@ def test_a_label_flip_counts_unless_fp32_itself_chose_within_the_tie():
     assert metric.value == pytest.approx(2 / 3) and not metric.passed
 
 
+def test_a_multiple_choice_inputs_rows_are_one_questions_choices():
+    """A build scores a row per (question, choice): the choice is the input's best-scored row."""
+    choice = accuracy.HEAD_KINDS["choice"]
+    mask = np.ones((3, 1))
+    want = [choice.rows([np.array([[0.1], [0.9], [0.3]])], mask), choice.rows([np.array([[2.0], [0.0], [1.0]])], mask)]
+    got = [choice.rows([np.array([[0.2], [0.8], [0.3]])], mask), choice.rows([np.array([[0.0], [0.0], [1.0]])], mask)]
+    assert [row.tolist() for row in want] == [[[1.0, pytest.approx(0.6)]], [[0.0, 1.0]]]
+    (metric,) = choice.metrics(np.concatenate(got), np.concatenate(want), INT8_GOAL, 1e-4)
+    assert metric.value == 0.5 and not metric.passed  # the second question's choice moved from row 0 to row 2
+
+
 def test_the_best_span_lies_on_real_tokens_and_ends_after_it_starts():
     start = np.array([[0.0, 1.0, 5.0, 9.0]])
     end = np.array([[3.0, 2.0, 0.0, 9.0]])

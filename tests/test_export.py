@@ -454,3 +454,26 @@ def test_modernbert_and_deberta_packages_answer_a_mixed_batch_as_transformers_do
     assert len(got) == len(want) == (1 if packed else 2)
     for name, value in zip(got, want):
         assert np.abs(got[name][real] - value.numpy()[real]).max() < 1e-4, name
+
+
+def test_a_multiple_choice_package_takes_questions_by_choices_as_transformers_does(tmp_path, workdir):
+    """Built on rows (one question with one choice each); loaded, it takes [questions, choices,
+    length] and gives [questions, choices], the logits transformers' own model gives."""
+    import torch
+
+    out = tmp_path / "package"
+    manifest = export(JobConfig(model="bert-tiny", task="multiple-choice", workdir=str(workdir)), out, batches=(4,),
+                      seq_lens=(16,))
+    assert manifest["model"]["task"] == "multiple-choice"
+    ids, mask, segments = (a.reshape(2, 3, 12) for a in random_inputs(np.random.default_rng(6), 6, 12))
+    package = load(out)
+    got = package(ids, attention_mask=mask, token_type_ids=segments)["logits"]
+    transformers_model = models.load(models.resolve("bert-tiny", task="multiple-choice")).model
+    with torch.no_grad():
+        want = transformers_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                  token_type_ids=torch.from_numpy(segments)).logits.numpy()
+    assert got.shape == want.shape == (2, 3) and np.abs(got - want).max() < 1e-5
+    rows = package(ids.reshape(6, 12), attention_mask=mask.reshape(6, 12), token_type_ids=segments.reshape(6, 12))["logits"]
+    assert rows.shape == (6, 1) and np.abs(rows.reshape(2, 3) - got).max() < 1e-6
+    with pytest.raises(InputError, match=r"must be \[batch, length\] or \[questions, choices, length\]"):
+        package(ids[None])

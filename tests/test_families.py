@@ -46,6 +46,9 @@ def saved(tmp_path_factory):
         ("BertForPreTraining", SMALL),
         ("ModernBertForSequenceClassification", dict(MODERNBERT_SMALL, num_labels=3, classifier_pooling="mean")),
         ("DebertaV2ForQuestionAnswering", DEBERTA_V3_SMALL),
+        ("AlbertForMultipleChoice", dict(SMALL, embedding_size=16)),
+        ("ModernBertForMultipleChoice", dict(MODERNBERT_SMALL, classifier_pooling="cls")),
+        ("DebertaV2ForMultipleChoice", DEBERTA_V3_SMALL),
     ]:
         made[class_name] = _save(tmp_path_factory.mktemp(class_name), class_name, **config)
     return made
@@ -59,6 +62,7 @@ def saved(tmp_path_factory):
     ("ElectraModel", "feature-extraction", ["last_hidden_state"]),  # ELECTRA has no pooler
     ("ModernBertForSequenceClassification", "text-classification", ["logits"]),
     ("DebertaV2ForQuestionAnswering", "question-answering", ["start_logits", "end_logits"]),
+    ("AlbertForMultipleChoice", "multiple-choice", ["logits"]),
 ])
 def test_task_is_inferred_from_architectures(saved, class_name, task, outputs):
     source = models.resolve(saved[class_name])
@@ -119,6 +123,10 @@ def test_every_family_has_every_head():
     ("albert-tiny", "float32", ("--task", "text-classification")),
     ("ModernBertForSequenceClassification", "float64", ("--seq-len", "20")),
     ("DebertaV2ForQuestionAnswering", "float64", ("--seq-len", "20")),
+    # A row per (question, choice): the batch's 3 rows one question's choices.
+    ("AlbertForMultipleChoice", "float32", ("--batch", "3")),
+    ("ModernBertForMultipleChoice", "float64", ("--batch", "3", "--seq-len", "20")),
+    ("DebertaV2ForMultipleChoice", "float32", ("--batch", "3", "--seq-len", "20")),
 ])
 def test_verify_heads_and_families(tvmbert, saved, tmp_path, model, dtype, args):
     outcome = tvmbert("verify", saved.get(model, model), "--dtype", dtype, *args, "--log-dir", str(tmp_path), "--json")

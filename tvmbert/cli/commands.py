@@ -15,6 +15,7 @@ from tvmbert.cli.render import err
 from tvmbert.core import config as config_module
 from tvmbert.core.config import JobConfig
 from tvmbert.core.errors import CheckFailed, InputError
+from tvmbert.core.families import TASKS
 from tvmbert.core.registry import ENGINES as ENGINE_NAMES
 from tvmbert.serve.pooling import MODES as POOLING_MODES
 
@@ -25,8 +26,8 @@ def _common(func):
     """Options every stage shares: what model, which shape and dtype, for which target, where."""
     options = [
         click.argument("model", required=False),
-        click.option("--task", help="The head to compile: feature-extraction, text-classification, token-classification, "
-                     "question-answering, fill-mask (default: the one config.json's architectures names)."),
+        click.option("--task", help=f"The head to compile: {', '.join(TASKS)} (default: the one config.json's "
+                     "architectures names)."),
         click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML job config; flags override it."),
         click.option("--batch", help="Batch size of the example inputs (bench, export: a list, e.g. 1,8)."),
         click.option("--seq-len", help="Sequence length (default: the text's length, or 14; bench, export: a list)."),

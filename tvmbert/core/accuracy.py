@@ -136,4 +136,8 @@ HEAD_KINDS = {
                     _agreement("the share of tokens given fp32's tag (or top-1 token)", 1)),
     "span": HeadKind(lambda outputs, mask: best_spans(outputs[0], outputs[1], mask),
                      _agreement("the share of questions given fp32's answer span", 2)),
+    # A multiple-choice build scores one (question, choice) row each: an input's rows are taken
+    # as one question's choices.
+    "choice": HeadKind(lambda outputs, mask: choices(outputs[0].reshape(1, -1)),
+                       _agreement("the share of questions given fp32's choice", 1)),
 }

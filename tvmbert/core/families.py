@@ -136,6 +136,10 @@ class Task:
     fixed_labels: int | None = None  # QA heads have exactly two (start, end), whatever config says
     packable: bool = True  # its head works token by token (or is the pooler): a packed build can run it
     accuracy: str = "tag"  # what its users compare: a core/accuracy.HEAD_KINDS key
+    # The head takes [questions, choices, tokens] and scores each choice. Builds score rows: one
+    # (question, choice) pair each, given to the head as [rows, 1, tokens], logits [rows, 1];
+    # tvmbert.load takes the three-dimensional inputs and gives [questions, choices] back.
+    choice_rows: bool = False
 
 
 TASKS: dict[str, Task] = {
@@ -148,6 +152,9 @@ TASKS: dict[str, Task] = {
     "question-answering": Task("ForQuestionAnswering", ("start_logits", "end_logits"),
                                per_token=("start_logits", "end_logits"), fixed_labels=2, accuracy="span"),
     "fill-mask": Task("ForMaskedLM", ("logits",), per_token=("logits",)),
+    # Its classifier reads each row's first token (or pools the row, ModernBERT's "mean"): no packed build.
+    "multiple-choice": Task("ForMultipleChoice", ("logits",), per_token=(), packable=False, accuracy="choice",
+                            choice_rows=True),
 }
 DEFAULT_TASK = "feature-extraction"
 

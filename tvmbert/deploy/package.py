@@ -22,6 +22,7 @@ import numpy as np
 
 from tvmbert.core import artifacts, targets
 from tvmbert.core.errors import InputError, PackageError
+from tvmbert.core.families import TASKS
 from tvmbert.deploy import packing
 from tvmbert.deploy.inputs import MASK_INPUT, as_integers, check_range, is_torch
 from tvmbert.deploy.loader import amx_note, load_library
@@ -126,6 +127,11 @@ class ExportedModel:
         if not names.get("logits"):
             return "text-classification"
         return "token-classification" if self.manifest.get("labels") else "fill-mask"
+
+    @property
+    def _scores_choices(self) -> bool:
+        task = TASKS.get(self.task)
+        return bool(task and task.choice_rows)
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -252,7 +258,9 @@ class ExportedModel:
         tensors too), positional in the order of ``input_names`` or by name. A missing
         attention_mask is all ones; another missing input is its pad value (token_type_ids: 0).
         Returns {output name: array}: per-token outputs [batch, length, ...], zero after each
-        row's last unmasked token; per-sequence outputs [batch, ...]."""
+        row's last unmasked token; per-sequence outputs [batch, ...]. A multiple-choice model
+        takes [questions, choices, length] too, as transformers' does, and gives logits
+        [questions, choices]; given [rows, length], it scores each row: logits [rows, 1]."""
         if len(arrays) > len(self.input_names):
             raise InputError(f"this model takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(arrays)}")
         given = dict(zip(self.input_names, arrays))
@@ -268,11 +276,17 @@ class ExportedModel:
         as_torch = any(is_torch(v) for v in given.values())
         checked = {name: as_integers(name, value) for name, value in given.items() if value is not None}
         shape = checked[first].shape
-        if len(shape) != 2 or 0 in shape:
-            raise InputError(f"{first} must be [batch, length] with both > 0, got shape {list(shape)}")
+        grouped = self._scores_choices and len(shape) == 3
+        if len(shape) != 2 + grouped or 0 in shape:
+            dims = "[batch, length] or [questions, choices, length]" if self._scores_choices else "[batch, length]"
+            raise InputError(f"{first} must be {dims} with every size > 0, got shape {list(shape)}")
         for name, array in checked.items():
             if array.shape != shape:
                 raise InputError(f"{name} has shape {list(array.shape)} and {first} {list(shape)}: they must be equal")
+        questions = shape[:2] if grouped else None
+        if grouped:  # one (question, choice) row each, as transformers' head flattens them
+            checked = {name: array.reshape(-1, shape[2]) for name, array in checked.items()}
+            shape = checked[first].shape
         if shape[1] > self.max_seq_len:
             raise InputError(f"length {shape[1]} is above this package's largest bucket ({self.max_seq_len}): "
                              "export with a larger --seq-len")
@@ -287,6 +301,8 @@ class ExportedModel:
                 for row, length in enumerate(lengths):
                     full[row, :length] = values[row, :length]
                 results[name] = full
+        if questions is not None:
+            results = {name: values.reshape(questions) for name, values in results.items()}
         if as_torch:
             torch = sys.modules["torch"]
             return {name: torch.from_numpy(values) for name, values in results.items()}

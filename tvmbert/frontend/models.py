@@ -246,14 +246,16 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
     class TaskOutputs(torch.nn.Module):
         """Fixes the signature to the family's inputs -> the task's outputs, as a tuple."""
 
-        def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], output_names: tuple[str, ...]):
+        def __init__(self, model: torch.nn.Module, input_names: tuple[str, ...], output_names: tuple[str, ...],
+                     choice_rows: bool):
             super().__init__()
-            self.model, self.input_names, self.output_names = model, input_names, output_names
+            self.model, self.input_names, self.output_names, self.choice_rows = model, input_names, output_names, choice_rows
 
         def forward(self, input_ids, attention_mask, token_type_ids=None):
-            """Named as the compiled model's inputs are (torch.export takes the names from here)."""
+            """Named as the compiled model's inputs are (torch.export takes the names from here).
+            A multiple-choice head gets each row as a question with one choice."""
             given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
-            out = self.model(**{name: given[name] for name in self.input_names})
+            out = self.model(**{name: given[name][:, None] if self.choice_rows else given[name] for name in self.input_names})
             return tuple(out[name] for name in self.output_names)
 
     if attn_implementation == "eager" and dtype == "float64" and FAMILIES[source.family].softmax_in_float32:
@@ -270,7 +272,7 @@ def load(source: ModelSource, dtype: str = "float32", seed: int = 0, attn_implem
     outputs = TASKS[source.task].outputs
     if getattr(model, "pooler", None) is None:  # DistilBERT, ELECTRA, and encoders saved without one
         outputs = tuple(name for name in outputs if name != "pooler_output")
-    wrapped = TaskOutputs(model, source.inputs, outputs).to(getattr(torch, dtype)).eval()
+    wrapped = TaskOutputs(model, source.inputs, outputs, TASKS[source.task].choice_rows).to(getattr(torch, dtype)).eval()
     wrapped.random_weights = getattr(model, "random_weights", ())
     return wrapped
 
