@@ -64,6 +64,13 @@ def test_a_multiple_choice_inputs_rows_are_one_questions_choices():
     assert [row.tolist() for row in want] == [[[1.0, pytest.approx(0.6)]], [[0.0, 1.0]]]
     (metric,) = choice.metrics(np.concatenate(got), np.concatenate(want), INT8_GOAL, 1e-4)
     assert metric.value == 0.5 and not metric.passed  # the second question's choice moved from row 0 to row 2
+    # One row is one choice: nothing chosen, nothing to agree on (not a free agreement).
+    alone = choice.rows([np.array([[0.3]])], mask[:1])
+    assert alone.shape == (0, 2)
+    (metric,) = choice.metrics(np.concatenate([got[1], alone]), np.concatenate([want[1], alone]), INT8_GOAL, 1e-4)
+    assert metric.value == 0.0
+    (metric,) = choice.metrics(alone, alone, INT8_GOAL, 1e-4)
+    assert metric.value is None and metric.passed
 
 
 def test_the_best_span_lies_on_real_tokens_and_ends_after_it_starts():

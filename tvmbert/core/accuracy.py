@@ -137,7 +137,7 @@ HEAD_KINDS = {
     "span": HeadKind(lambda outputs, mask: best_spans(outputs[0], outputs[1], mask),
                      _agreement("the share of questions given fp32's answer span", 2)),
     # A multiple-choice build scores one (question, choice) row each: an input's rows are taken
-    # as one question's choices.
-    "choice": HeadKind(lambda outputs, mask: choices(outputs[0].reshape(1, -1)),
+    # as one question's choices. An input of one row chooses nothing, and counts for nothing.
+    "choice": HeadKind(lambda outputs, mask: choices(outputs[0].reshape(1, -1)) if outputs[0].size > 1 else np.empty((0, 2)),
                        _agreement("the share of questions given fp32's choice", 1)),
 }
