@@ -113,3 +113,24 @@ def build_meta(workdir, key: str, target: str = "llvm") -> dict:
     stage = workdir / "bert-tiny" / key / targets.resolve(target).key / "build" / "stage.json"
     meta = json.loads(stage.read_text())
     return meta.get("meta", meta)
+
+
+def glu_module(lead, n, k, activated_half: int, gate_read_twice: bool = False):
+    """Relax ``gelu(half a) * half 1 - a`` of ``reshape(x @ W + b)`` split in two (ModernBERT's
+    GeGLU as exported), W and b weights; with ``gate_read_twice`` the gate is also added to the result."""
+    from tvm import relax
+
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((*lead, k), "float32"))
+    w, b = relax.Var("w", relax.TensorType((k, n), "float32")), relax.Var("b", relax.TensorType((n,), "float32"))
+    with builder.function("main", [x, w, b], {"num_input": 1}):
+        with builder.dataflow():
+            total = builder.emit(relax.op.add(relax.op.matmul(x, w), b))
+            halves = builder.emit(relax.op.split(builder.emit(relax.op.reshape(total, (1, *lead, n))), [n // 2], axis=-1))
+            activated, gate = builder.emit(relax.TupleGetItem(halves, activated_half)), builder.emit(relax.TupleGetItem(halves, 1 - activated_half))
+            result = builder.emit(relax.op.multiply(gate, builder.emit(relax.op.nn.gelu(activated))))
+            if gate_read_twice:
+                result = builder.emit(relax.op.add(result, gate))
+            output = builder.emit_output(result)
+        builder.emit_func_output(output)
+    return builder.get()

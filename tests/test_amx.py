@@ -49,6 +49,42 @@ def test_amx_kernel_matches_float64(lead, n, k, activation, residual, out_dtype,
 
 
 @pytest.mark.amx
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_a_gated_amx_kernel_writes_gelu_of_the_activated_half_times_its_gates(out_dtype):
+    """GeGLU (ModernBERT's MLP): W's columns ordered as the pass orders them, 16 activated then
+    their 16 gates a block, and half the columns written."""
+    import ml_dtypes
+    import tvm
+    from tvm import relax
+
+    from tvmbert.passes.fma_fp32 import gates_beside_inputs
+
+    lead, n, k = (3, 32), 192, 64  # two chunks of row blocks: the first chunk's last block stored after its tiles
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((*lead, k), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((k, n), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal(n, dtype=np.float32)
+    # The pass's own reordering (a Relax function of the weight), run as the build runs it.
+    reorder = relax.BlockBuilder()
+    weight, bias = relax.Var("w", relax.TensorType((k, n), "float32")), relax.Var("b", relax.TensorType((n,), "float32"))
+    with reorder.function("main", [weight, bias]):
+        reorder.emit_func_output(relax.Tuple([reorder.emit(gates_beside_inputs(weight, 0, amx.TILE // 2)),
+                                              reorder.emit(gates_beside_inputs(bias, 0, amx.TILE // 2))]))
+    machine = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(reorder.get()), target="llvm"), tvm.cpu())
+    w_ordered, b_ordered = (a.numpy() for a in machine["main"](tvm.runtime.tensor(w.astype(np.float32)), tvm.runtime.tensor(b)))
+    packed = np.ascontiguousarray(w_ordered.astype(ml_dtypes.bfloat16).reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1))
+    kernel = amx.bf16_kernel(96, n, k, lead, "relax.nn.gelu", False, out_dtype, 32 * k * 2 * 2, gated=True)
+    library = tvm.compile(tvm.IRModule({"main": kernel}), target=targets.resolve("llvm").tvm_target())
+    y = tvm.runtime.tensor(np.zeros((*lead, n // 2), ml_dtypes.bfloat16 if out_dtype == "bfloat16" else "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b_ordered, np.zeros(1, "float32"))), y)
+    total = x.astype(np.float64) @ w.astype(np.float64) + b
+    activated, gate = total[..., :n // 2], total[..., n // 2:]
+    expected = activated * (1 + np.vectorize(math.erf)(activated / math.sqrt(2))) / 2 * gate
+    tolerance = 2.0 ** -7 if out_dtype == "bfloat16" else 1e-5
+    assert np.abs(y.numpy().astype(np.float64) - expected).max() <= tolerance * np.abs(expected).max()
+
+
+@pytest.mark.amx
 def test_bf16_runs_its_matmuls_on_amx(tvmbert, workdir):
     from tvmbert.deploy.weights import load_params
 
@@ -123,3 +159,23 @@ def test_bench_in_bf16_runs_the_pytorch_peers_in_bf16(tvmbert):
     assert report["engine_dtypes"]["torch-eager"].startswith("bfloat16")
     assert report["engine_dtypes"]["onnxruntime"] == "float32"
     assert "AMX" in report["engine_dtypes"]["tvm"]
+
+
+@pytest.mark.amx
+@pytest.mark.amx_int8
+@pytest.mark.parametrize("dtype, kernel", [("bfloat16", "amx_bf16_matmul_64x192x64_gelu_gated_to_bfloat16"),
+                                           ("int8", "int8_matmul_64x192x64_gelu_gated")])
+def test_modernberts_geglu_runs_in_its_amx_kernel(tvmbert, workdir, dtype, kernel):
+    """Wi's AMX kernel applies GeGLU and writes its half of the columns (bf16 ones where the next
+    matmul reads bf16): no split, GELU or multiply kernel over the sum's columns."""
+    import re
+
+    args = ("modernbert-tiny", "--dtype", dtype, "--batch", "2", "--seq-len", "32")
+    built = tvmbert("build", *args, "--json")
+    assert built.code == 0, built.stderr
+    assert kernel in built.json["amx_kernels"], built.json["amx_kernels"]
+    optimized = next(workdir.glob(f"modernbert-tiny/b2-s32-{dtype}/optimize/module.py")).read_text()
+    called = set(re.findall(r"R\.call_tir\(cls\.(\w+)", optimized.split("def main(")[1]))
+    assert not any("gelu" in name or "split" in name for name in called if not name.startswith(("amx_", "int8_"))), called
+    verified = tvmbert("verify", *args, "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr

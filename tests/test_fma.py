@@ -12,7 +12,7 @@ import pytest
 
 from tvmbert.kernels import fma
 
-from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta, heap_buffers
+from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta, glu_module, heap_buffers
 
 
 @pytest.mark.simd
@@ -95,27 +95,6 @@ def test_a_rotating_panel_major_kernel_applies_rotary_positions_to_its_first_pan
     assert np.abs(y.numpy() - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
-def _glu_module(lead, n, k, activated_half: int, gate_read_twice: bool = False):
-    """Relax ``gelu(half a) * half 1 - a`` of ``reshape(x @ W + b)`` split in two (ModernBERT's
-    GeGLU as exported), W and b weights; with ``gate_read_twice`` the gate is also added to the result."""
-    from tvm import relax
-
-    builder = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((*lead, k), "float32"))
-    w, b = relax.Var("w", relax.TensorType((k, n), "float32")), relax.Var("b", relax.TensorType((n,), "float32"))
-    with builder.function("main", [x, w, b], {"num_input": 1}):
-        with builder.dataflow():
-            total = builder.emit(relax.op.add(relax.op.matmul(x, w), b))
-            halves = builder.emit(relax.op.split(builder.emit(relax.op.reshape(total, (1, *lead, n))), [n // 2], axis=-1))
-            activated, gate = builder.emit(relax.TupleGetItem(halves, activated_half)), builder.emit(relax.TupleGetItem(halves, 1 - activated_half))
-            result = builder.emit(relax.op.multiply(gate, builder.emit(relax.op.nn.gelu(activated))))
-            if gate_read_twice:
-                result = builder.emit(relax.op.add(result, gate))
-            output = builder.emit_output(result)
-        builder.emit_func_output(output)
-    return builder.get()
-
-
 @pytest.mark.simd
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("activated_half", [0, 1])
@@ -126,7 +105,7 @@ def test_a_gated_activation_runs_in_the_kernel_that_writes_half_the_columns(lane
     from tvmbert.passes.fma_fp32 import fma_matmuls
 
     lead, n, k = (2, 11), 192, 40  # 22 rows: a last tile smaller than the others; 3 AVX-512 panels of 32 inputs and 32 gates
-    module = fma_matmuls(lanes, 1)(_glu_module(lead, n, k, activated_half))
+    module = fma_matmuls(lanes, 1)(glu_module(lead, n, k, activated_half))
     kernels = [gv.name_hint for gv, f in module.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert kernels == [f"fma_matmul_{lead[0]}x{lead[1]}x{n}x{k}_gelu_gated"]
     assert "R.split" not in str(module["main"]) and "R.nn.gelu" not in str(module["main"])
@@ -143,7 +122,7 @@ def test_a_gated_activation_runs_in_the_kernel_that_writes_half_the_columns(lane
 def test_a_gate_read_elsewhere_keeps_the_split():
     from tvmbert.passes.fma_fp32 import fma_matmuls
 
-    module = fma_matmuls(16, 1)(_glu_module((8,), 128, 32, 0, gate_read_twice=True))
+    module = fma_matmuls(16, 1)(glu_module((8,), 128, 32, 0, gate_read_twice=True))
     kernels = [gv.name_hint for gv, _ in module.functions_items() if gv.name_hint != "main"]
     assert kernels == ["fma_matmul_8x128x32"] and "R.split" in str(module["main"]) and "R.nn.gelu" in str(module["main"])
 

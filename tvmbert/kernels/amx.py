@@ -98,12 +98,14 @@ def bf16_fits(m: int, n: int, k: int) -> bool:
 
 
 def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-                residual: bool = False, out_dtype: str = "float32", row_chunk_bytes: int = 1 << 20):
+                residual: bool = False, out_dtype: str = "float32", row_chunk_bytes: int = 1 << 20, gated: bool = False):
     """The AMX PrimFunc for ``Y[m, n] = act(X[m, k] @ W[k, n] + b[n]) (+ R[m, n])`` (m, n, k
     multiples of 32), W packed, ``act`` one of ``ACTIVATIONS`` or none: bias, activation and
     residual applied to each 32 x 32 block after its tiles are stored (without ``residual``, R is
     one unread float), and Y written in ``out_dtype`` (bfloat16 where the next matmul reads it: no
-    cast kernel over it).
+    cast kernel over it). ``gated`` (a GLU: ModernBERT's GeGLU): each block's 32 columns are 16
+    activated ones and their 16 gates (``passes/fma_fp32.gates_beside_inputs`` orders W's and b's
+    columns so), and Y[m, n / 2] holds ``act(activated) * gate``: no kernel over the sum's columns.
 
     With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead
     of m: the kernels around it see no reshape. Parallel over column blocks of 32; each block runs
@@ -118,8 +120,10 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     from tvm.script import tirx as T
 
     assert m % TILE == 0 and n % TILE == 0 and k % TILE == 0, (m, n, k)
+    assert not gated or (activation and not residual), (activation, residual)
     lda = k * 2  # row stride of X (bf16) in bytes
     row_blocks, col_blocks, k_blocks = m // TILE, n // TILE, k // TILE
+    out_n, out_block = (n // 2, TILE // 2) if gated else (n, TILE)  # Y's columns, and a block's
     lead = tuple(lead) if lead else (m,)
     # Rows in chunks whose X (bf16) fits a core's L2 (SPR: 2 MiB): all column blocks of a chunk,
     # in parallel, before the next chunk, so that X is not streamed from L3 once per column block.
@@ -132,8 +136,11 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     @T.macro
     def store_row(b, rf, yf, blocks, slot, nb, row, i):
         """Row i of a stored block (the matrix's row + i): bias, activation or residual, cast."""
-        for j in T.vectorized(TILE):
-            if residual:
+        for j in T.vectorized(out_block):
+            if gated:
+                yf[row + i, nb * out_block + j] = T.Cast(out_dtype, epilogue(blocks[slot, i, j] + b[nb * TILE + j])
+                                                         * (blocks[slot, i, out_block + j] + b[nb * TILE + out_block + j]))
+            elif residual:
                 yf[row + i, nb * TILE + j] = T.Cast(out_dtype, blocks[slot, i, j] + b[nb * TILE + j] + rf[row + i, nb * TILE + j])
             else:
                 yf[row + i, nb * TILE + j] = T.Cast(out_dtype, epilogue(blocks[slot, i, j] + b[nb * TILE + j]))
@@ -141,7 +148,7 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     @T.prim_func(s_tir=True)
     def amx_matmul(x: T.Buffer((*lead, k), "bfloat16"), wp: T.Buffer((n // 16, k // 2, 16, 2), "bfloat16"),
                    b: T.Buffer((n,), "float32"), r: T.Buffer((*lead, n) if residual else (1,), "float32"),
-                   y: T.Buffer((*lead, n), out_dtype)):
+                   y: T.Buffer((*lead, out_n), out_dtype)):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):  # SplitLayoutRewritePreproc expects a root block
             with T.sblock("amx_tiles"):  # and a block under it
@@ -149,7 +156,7 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
                 T.writes(whole(y))
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
                 xu = T.decl_buffer((m, k), "uint16", data=x.data)
-                yf = T.decl_buffer((m, n), out_dtype, data=y.data)
+                yf = T.decl_buffer((m, out_n), out_dtype, data=y.data)
                 wu = T.decl_buffer((n // 16, k // 2, 32), "uint16", data=wp.data)
                 w_lines = T.decl_buffer((n * k,), "uint16", data=wp.data)
                 for mc in range(row_blocks // chunk):
@@ -198,7 +205,7 @@ def padded_rows(m: int) -> int:
 
 
 def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-                residual: bool = False, row_chunk_bytes: int = 1 << 20):
+                residual: bool = False, row_chunk_bytes: int = 1 << 20, gated: bool = False):
     """The AMX-INT8 PrimFunc for ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[row, k] @ Wq[k, n]) + b[n])
     (+ r[*lead, n])``, the operands as ``kernels/int8.kernel`` takes them for ``vpdpbusd`` (the
     same numerics, exact in int32), except xq: ``padded_rows(m)`` rows of u8 (128 added; the rows
@@ -214,11 +221,14 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     next block, between its tile instructions: the vector units work while the tiles do (after
     each block, the epilogue took as long as a quarter of FFN up's tile work: docs/benchmarks.md,
     int8 on Sapphire Rapids). A last half
-    block (16 rows) runs on two accumulators and one row tile."""
+    block (16 rows) runs on two accumulators and one row tile. ``gated``: as ``bf16_kernel``'s,
+    y[*lead, n / 2] from each panel's 16 activated columns and their 16 gates."""
     import tvm
     from tvm.script import tirx as T
 
     assert int8_fits(n, k), (n, k)
+    assert not gated or (activation and not residual), (activation, residual)
+    out_n, out_block = (n // 2, TILE // 2) if gated else (n, TILE)  # y's columns, and a panel's
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
     lead = tuple(lead) if lead else (m,)
     residual_shape = (*lead, n) if residual else (1,)
@@ -235,8 +245,13 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     def store_row(c0, sw, sx, b, rf, yf, block, p, row, i):
         """Row i of the stored block (the matrix's row + i): dequantized, with its epilogue."""
         if row + i < m:
-            for j in T.vectorized(TILE):
-                if residual:
+            for j in T.vectorized(out_block):
+                if gated:
+                    yf[row + i, p * out_block + j] = epilogue(dequantized(block[i, j] + c0[p * TILE + j], sx[row + i], sw[p * TILE + j],
+                                                                          b[p * TILE + j])) \
+                        * dequantized(block[i, out_block + j] + c0[p * TILE + out_block + j], sx[row + i], sw[p * TILE + out_block + j],
+                                      b[p * TILE + out_block + j])
+                elif residual:
                     yf[row + i, p * TILE + j] = dequantized(block[i, j] + c0[p * TILE + j], sx[row + i], sw[p * TILE + j],
                                                             b[p * TILE + j]) + rf[row + i, p * TILE + j]
                 else:
@@ -274,14 +289,14 @@ def int8_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     def amx_int8_matmul(x: T.Buffer((rows, k), "uint8"), sx: T.Buffer((m,), "float32"),
                         wq: T.Buffer((panels, k // 4, panel_stride), "int8"), c0: T.Buffer((n,), "int32"),
                         sw: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"),
-                        y: T.Buffer((*lead, n), "float32")):
+                        y: T.Buffer((*lead, out_n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, INT8_KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("amx_int8_tiles"):
                 T.reads(whole(x), whole(sx), whole(wq), whole(c0), whole(sw), whole(b), whole(r))
                 T.writes(whole(y))
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
-                yf = T.decl_buffer((m, n), "float32", data=y.data)
+                yf = T.decl_buffer((m, out_n), "float32", data=y.data)
                 w_lines = T.decl_buffer((n * k,), "int8", data=wq.data)
                 for mc in range(whole_blocks // chunk):
                     for p in T.parallel(panels):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from tvmbert.kernels.amx import ACTIVATIONS, TILE, bf16_fits, bf16_kernel
+from tvmbert.passes.fma_fp32 import gates_beside_inputs
 
 
 def weight_in_vnni_layout(weight):
@@ -34,8 +35,8 @@ def amx_matmuls():
     class Rewriter(relax.PyExprMutator):
         def __init__(self, module):
             super().__init__(module)
-            self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype, _gated:
-                                           bf16_kernel(m, n, k, lead, activation, residual, out_dtype))
+            self.kernels = KernelFunctions("amx_bf16_matmul_", lambda m, lead, n, k, activation, residual, out_dtype, gated:
+                                           bf16_kernel(m, n, k, lead, activation, residual, out_dtype, gated=gated))
             self.weights = set()
             self.epilogues = None
 
@@ -43,7 +44,7 @@ def amx_matmuls():
             self.weights = weights_of(function)
             self.epilogues = Epilogues(function, self.weights, self.fits, ACTIVATIONS,
                                        takes_residual=lambda sizes: row_count(sizes[0]) % TILE == 0,
-                                       output_dtypes=("bfloat16",))
+                                       output_dtypes=("bfloat16",), takes_gate=lambda sizes: True)
 
         def fits(self, call):
             sizes = weight_matmul_sizes(call, self.weights)
@@ -52,12 +53,15 @@ def amx_matmuls():
                 return None
             return sizes
 
-        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype, _gate=None):
+        def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype, gate=None):
             lead, n, k = sizes
+            if gate is not None:  # each block of 32 columns: 16 activated, then their gates
+                weight = self.builder_.emit(gates_beside_inputs(weight, gate, TILE // 2))
+                bias = self.builder_.emit(gates_beside_inputs(bias, gate, TILE // 2))
             laid_out = self.builder_.emit(weight_in_vnni_layout(weight))
-            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype)
-            return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(laid_out, bias, residual), lead, n, k, TILE,
-                                         out_dtype)
+            kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype, gate is not None)
+            return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(laid_out, bias, residual), lead,
+                                         n // 2 if gate is not None else n, k, TILE, out_dtype)
 
         def in_float32(self, call):
             """A matmul of two activations (attention's) the kernel does not take: back to fp32

@@ -18,6 +18,7 @@ from tvmbert.kernels.int8 import (
     quantize_rows_kernel,
     tile,
 )
+from tvmbert.passes.fma_fp32 import gates_beside_inputs
 
 
 def quantized_weight(weight, width: int, dot: DotProduct):
@@ -66,9 +67,9 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     def takes(_lead, n, k):
         return fits(n, k, lanes)
 
-    def make_kernel(m, lead, n, k, activation, residual, _out_dtype, _gated):
+    def make_kernel(m, lead, n, k, activation, residual, _out_dtype, gated):
         if on_amx(n, k):
-            return amx.int8_kernel(m, n, k, lead, activation, residual)
+            return amx.int8_kernel(m, n, k, lead, activation, residual, gated=gated)
         return kernel(m, n, k, lanes, lead, activation, residual, dot=dot)
 
     def quantizer(rewriter, lead, k, rows):
@@ -79,19 +80,23 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
             rewriter.cache[key] = rewriter.builder_.add_func(function.without_attr("global_symbol"), name)
         return rewriter.cache[key]
 
-    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual, _gate):
+    def call_kernel(rewriter, x, weight, bias, sizes, activation, residual, gate):
         lead, n, k = sizes
         m = row_count(lead)
         rows = amx.padded_rows(m) if on_amx(n, k) else None
         width = amx.TILE if rows else tile(n, lanes)[1] * lanes
         emit = rewriter.builder_.emit
+        if gate is not None:  # on AMX: each panel's 32 columns, 16 activated then their gates
+            weight, bias = emit(gates_beside_inputs(weight, gate, amx.TILE // 2)), emit(gates_beside_inputs(bias, gate, amx.TILE // 2))
         laid_out, weight_scale, start = (emit(operand) for operand in quantized_weight(weight, width, dot))
         rows_type = relax.TensorType((rows, k) if rows else (*lead, k), ROWS_DTYPE)
         quantized = emit(relax.call_tir(quantizer(rewriter, lead, k, rows), [x], [rows_type, relax.TensorType((m,), "float32")]))
         quantized_rows, row_scale = emit(relax.TupleGetItem(quantized, 0)), emit(relax.TupleGetItem(quantized, 1))
         weight_operand, *rest = kernel_operands(laid_out, bias, residual)
-        kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32")
+        kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32", gate is not None)
         return relax.call_tir(kernel_for(m, lead), [quantized_rows, row_scale, weight_operand, start, weight_scale, *rest],
-                              relax.TensorType((*lead, n), "float32"))
+                              relax.TensorType((*lead, n // 2 if gate is not None else n), "float32"))
 
-    return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", make_kernel, takes, call_kernel)
+    # A gated activation (GeGLU) where the AMX kernel takes the matmul; the VNNI kernel has no gated epilogue.
+    return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", make_kernel, takes, call_kernel,
+                                   takes_gate=lambda sizes: on_amx(*sizes[1:]))

@@ -34,6 +34,10 @@ def kernels_in(module, attribute: str) -> list[str]:
                   if isinstance(f, tirx.PrimFunc) and f.attrs and attribute in f.attrs)
 
 
+def _dims(var) -> list[int]:
+    return [int(d) for d in var.ty.shape]
+
+
 def _op_of(value):
     """The Relax operator a bound value calls (``relax.add``), or None for anything else."""
     return getattr(getattr(value, "op", None), "name", None)
@@ -121,7 +125,7 @@ class Epilogues:
         for binding in bindings:
             source = binding.value.args[0] if _op_of(binding.value) == "relax.reshape" else None
             if (source in self.activated and uses.get(source) == 1
-                    and list(binding.var.ty.shape) == list(self.activated[source].ty.shape)):
+                    and _dims(binding.var) == self.result_dims(self.activated[source])):
                 self.activated[binding.var] = self.activated[source]
         for binding in bindings:
             source = binding.value.args[0] if _op_of(binding.value) == "relax.astype" else None
@@ -134,6 +138,11 @@ class Epilogues:
             if source is not total:
                 self.skipped.add(source)
             self.activated[binding.var] = total
+
+    def result_dims(self, total) -> list[int]:
+        """The shape of what the kernel replacing ``total`` writes: half its columns where it gates."""
+        dims = _dims(total)
+        return [*dims[:-1], dims[-1] // 2] if total in self.gates else dims
 
     def gated(self, product, activations, takes_gate):
         """(the sum, the activation, its half, the views between them) where ``product`` is
@@ -183,7 +192,7 @@ class Epilogues:
             return True
         if binding.var in self.activated:  # the activation ran in the kernel: at most a reshape is left
             result = mutator.visit_expr(self.activated[binding.var])
-            if list(binding.var.ty.shape) != list(self.activated[binding.var].ty.shape):
+            if _dims(binding.var) != self.result_dims(self.activated[binding.var]):
                 result = mutator.builder_.emit(relax.op.reshape(result, binding.var.ty.shape))
             mutator.set_var_remap(binding.var, result)
             return True
