@@ -134,3 +134,24 @@ def glu_module(lead, n, k, activated_half: int, gate_read_twice: bool = False):
             output = builder.emit_output(result)
         builder.emit_func_output(output)
     return builder.get()
+
+
+def glu_through(module_pass, lead, n, k, activated_half: int, seed: int):
+    """``glu_module`` through ``module_pass``, built for this host and run on random data: the
+    kernels it holds, its main as text, the result, and float64's GeGLU of the same data."""
+    import math
+
+    import numpy as np
+    import tvm
+    from tvm import relax
+
+    module = module_pass(glu_module(lead, n, k, activated_half))
+    kernels = [gv.name_hint for gv, f in module.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    rng = np.random.default_rng(seed)
+    x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, k), (k, n), (n,)))
+    machine = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(module), target=HOST), tvm.cpu())
+    y = machine["main"](*(tvm.runtime.tensor(a) for a in (x, w, b))).numpy()
+    total = x.astype(np.float64) @ w.astype(np.float64) + b
+    activated, gate = (total[..., :n // 2], total[..., n // 2:])[::1 - 2 * activated_half]
+    expected = (activated * (1 + np.vectorize(math.erf)(activated / math.sqrt(2))) / 2 * gate).reshape(1, *lead, n // 2)
+    return kernels, str(module["main"]), y, expected

@@ -12,7 +12,7 @@ import pytest
 
 from tvmbert.kernels import fma
 
-from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta, glu_module, heap_buffers
+from helpers import HOST, HOST_LANES, HOST_TARGET, build_meta, glu_module, glu_through, heap_buffers
 
 
 @pytest.mark.simd
@@ -99,23 +99,12 @@ def test_a_rotating_panel_major_kernel_applies_rotary_positions_to_its_first_pan
 @pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
 @pytest.mark.parametrize("activated_half", [0, 1])
 def test_a_gated_activation_runs_in_the_kernel_that_writes_half_the_columns(lanes, activated_half):
-    import tvm
-    from tvm import relax
-
     from tvmbert.passes.fma_fp32 import fma_matmuls
 
     lead, n, k = (2, 11), 192, 40  # 22 rows: a last tile smaller than the others; 3 AVX-512 panels of 32 inputs and 32 gates
-    module = fma_matmuls(lanes, 1)(glu_module(lead, n, k, activated_half))
-    kernels = [gv.name_hint for gv, f in module.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    kernels, main, y, expected = glu_through(fma_matmuls(lanes, 1), lead, n, k, activated_half, 2)
     assert kernels == [f"fma_matmul_{lead[0]}x{lead[1]}x{n}x{k}_gelu_gated"]
-    assert "R.split" not in str(module["main"]) and "R.nn.gelu" not in str(module["main"])
-    rng = np.random.default_rng(2)
-    x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, k), (k, n), (n,)))
-    machine = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(module), target=HOST), tvm.cpu())
-    y = machine["main"](*(tvm.runtime.tensor(a) for a in (x, w, b))).numpy()
-    total = x.astype(np.float64) @ w.astype(np.float64) + b
-    activated, gate = (total[..., :n // 2], total[..., n // 2:])[::1 - 2 * activated_half]
-    expected = (activated * (1 + np.vectorize(math.erf)(activated / math.sqrt(2))) / 2 * gate).reshape(1, *lead, n // 2)
+    assert "R.split" not in main and "R.nn.gelu" not in main
     assert y.shape == expected.shape and np.abs(y - expected).max() <= 1e-5 * np.abs(expected).max()
 
 

@@ -17,7 +17,7 @@ from tvmbert.stages.bench.inference import engine_dtypes
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
 
-from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta, glu_module
+from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta, glu_through
 
 
 def emulated_quads(acc, row_word, weights, lanes):
@@ -221,23 +221,13 @@ def test_amx_int8_kernel_sums_exactly_what_numpy_sums(lead, n, k, activation, re
 def test_a_gated_activation_on_amx_runs_in_the_kernel_that_writes_half_the_columns(activated_half):
     """GeGLU (ModernBERT's MLP): the pass orders the weight's columns, 16 activated then their
     gates a panel, quantizes them so, and the AMX kernel writes gelu(activated) x gate."""
-    import tvm
-    from tvm import relax
-
     from tvmbert.passes.int8_matmuls import int8_matmuls
 
     lead, n, k = (2, 40), 192, 128  # 80 rows: two whole blocks and a half one; 6 panels
-    module = int8_matmuls(HOST_TARGET.int8_lanes, "vpdpbusd", amx_tiles=True)(glu_module(lead, n, k, activated_half))
-    kernels = [gv.name_hint for gv, f in module.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    kernels, main, y, expected = glu_through(int8_matmuls(HOST_TARGET.int8_lanes, "vpdpbusd", amx_tiles=True), lead, n, k,
+                                             activated_half, 4)
     assert f"int8_matmul_{lead[0]}x{lead[1]}x{n}x{k}_gelu_gated" in kernels
-    assert "R.split" not in str(module["main"]) and "R.nn.gelu" not in str(module["main"])
-    rng = np.random.default_rng(4)
-    x, w, b = (rng.standard_normal(shape, dtype=np.float32) for shape in ((*lead, k), (k, n), (n,)))
-    machine = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(module), target=HOST), tvm.cpu())
-    y = machine["main"](*(tvm.runtime.tensor(a) for a in (x, w, b))).numpy()
-    total = x.astype(np.float64) @ w.astype(np.float64) + b
-    activated, gate = (total[..., :n // 2], total[..., n // 2:])[::1 - 2 * activated_half]
-    expected = (activated * (1 + np.vectorize(math.erf)(activated / math.sqrt(2))) / 2 * gate).reshape(1, *lead, n // 2)
+    assert "R.split" not in main and "R.nn.gelu" not in main
     # int8's error, a few percent of the largest; a column paired with another's gate would be off by the whole value
     assert y.shape == expected.shape and np.abs(y - expected).max() <= 0.03 * np.abs(expected).max()
 
