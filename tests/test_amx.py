@@ -59,7 +59,7 @@ def test_a_gated_amx_kernel_writes_gelu_of_the_activated_half_times_its_gates(ou
 
     from tvmbert.passes.fma_fp32 import gates_beside_inputs
 
-    lead, n, k = (3, 32), 192, 64  # two chunks of row blocks: the first chunk's last block stored after its tiles
+    lead, n, k = (3, 32), 192, 64  # one chunk of three row blocks: two stored between the next one's tiles, the last after them
     rng = np.random.default_rng(1)
     x = rng.standard_normal((*lead, k), dtype=np.float32).astype(ml_dtypes.bfloat16)
     w = rng.standard_normal((k, n), dtype=np.float32).astype(ml_dtypes.bfloat16)
@@ -73,7 +73,7 @@ def test_a_gated_amx_kernel_writes_gelu_of_the_activated_half_times_its_gates(ou
     machine = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(reorder.get()), target="llvm"), tvm.cpu())
     w_ordered, b_ordered = (a.numpy() for a in machine["main"](tvm.runtime.tensor(w.astype(np.float32)), tvm.runtime.tensor(b)))
     packed = np.ascontiguousarray(w_ordered.astype(ml_dtypes.bfloat16).reshape(k // 2, 2, n // 16, 16).transpose(2, 0, 3, 1))
-    kernel = amx.bf16_kernel(96, n, k, lead, "relax.nn.gelu", False, out_dtype, 32 * k * 2 * 2, gated=True)
+    kernel = amx.bf16_kernel(96, n, k, lead, "relax.nn.gelu", False, out_dtype, 3 * 32 * k * 2, gated=True)
     library = tvm.compile(tvm.IRModule({"main": kernel}), target=targets.resolve("llvm").tvm_target())
     y = tvm.runtime.tensor(np.zeros((*lead, n // 2), ml_dtypes.bfloat16 if out_dtype == "bfloat16" else "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (x, packed, b_ordered, np.zeros(1, "float32"))), y)
