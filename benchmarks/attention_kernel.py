@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--window", type=int, help="also time local layers: keys at most this far from the query")
-    parser.add_argument("--kinds", default="fp32,amx-bf16", help="fp32, amx-bf16 (skipped without AMX)")
+    parser.add_argument("--kinds", default="fp32,amx-bf16", help="fp32, amx-bf16 (three products for the scores, int8 builds'), "
+                        "amx-bf16-scores (one, bf16 builds'); the AMX ones skipped without AMX")
     parser.add_argument("--baseline", help="a git revision whose kernels are timed beside the current ones")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -63,7 +64,8 @@ def main() -> None:
                     calls = {}
                     for name, module in versions.items():
                         make = module.kernel if kind == "fp32" else module.amx_bf16_kernel
-                        function = make(1, heads, seq, dim, target.fp32_lanes, sources, mask.shape, dim ** -0.5, window=window)
+                        scores = {"bf16_scores": True} if kind == "amx-bf16-scores" else {}  # a bf16 build's: one product
+                        function = make(1, heads, seq, dim, target.fp32_lanes, sources, mask.shape, dim ** -0.5, window=window, **scores)
                         calls[name] = tvm.compile(tvm.IRModule({"main": function}), target=target.tvm_target())["main"]
                         calls[name](*operands, y)  # warm up
                     times = {name: [] for name in versions}

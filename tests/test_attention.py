@@ -365,10 +365,14 @@ def test_panel_major_operands_give_the_row_major_result(lanes, head_per_panel):
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("layout", ["fused", "separate", "packed", "panels"])
 @pytest.mark.parametrize("spread", [1.0, 4.0])
-def test_amx_attention_matches_float64_within_bf16_probabilities_and_values(batch, heads, seq, dim, mask_shape, layout, spread):
+@pytest.mark.parametrize("bf16_scores", [False, True])
+def test_amx_attention_matches_float64_within_bf16_probabilities_and_values(batch, heads, seq, dim, mask_shape, layout, spread,
+                                                                            bf16_scores):
     """The AMX kernel against float64 with P and V rounded to bf16, as its P V takes them (and
     divides by their sum). Its scores come from three bf16 products: with operands spread 4x the
-    scores reach +-30 and a peaked softmax, where one product misses this bound 3-7-fold."""
+    scores reach +-30 and a peaked softmax, where one product misses this bound 3-7-fold. With
+    ``bf16_scores`` (bf16 builds) from one, of Q and K rounded to bf16: float64's scores then
+    take Q and K so rounded."""
     import tvm
 
     rng = np.random.default_rng(4)
@@ -392,10 +396,12 @@ def test_amx_attention_matches_float64_within_bf16_probabilities_and_values(batc
         mask = np.where(rng.random(shape) < 0.3, MASKED, 0).astype(np.float32)
         mask[..., 0] = 0  # every row keeps a key (the all-masked row has its own test)
     function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape if mask is not None else None, 0.125,
-                                         tokens, panel)
+                                         tokens, panel, bf16_scores=bf16_scores)
     library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (*operands, mask if mask is not None else np.zeros(1, "float32"), rows)), y)
+    if bf16_scores:
+        q, k = _bf16(q), _bf16(k)
     scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) * 0.125 + (mask if mask is not None else 0)
     weights = _bf16(np.exp(scores - scores.max(-1, keepdims=True))).astype(np.float64)
     expected = weights @ _bf16(v) / weights.sum(-1, keepdims=True)

@@ -667,13 +667,15 @@ def _bf16_rest(value):
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
                     scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None,
-                    positions: Positions | None = None):
+                    positions: Positions | None = None, bf16_scores: bool = False):
     """``kernel``'s attention (same operands and output, DeBERTa's position scores too) with its two matmuls on AMX-BF16
     (``tdpbf16ps``, fp32 sums), for the int8 build on AMX, where the fp32 kernel took a quarter of
     bert-base's time at 8 x 128 (docs/benchmarks.md, int8 on Sapphire Rapids).
 
     The scores to about 16 bits: Q and K split in a bf16 part and a bf16 rest, ``Qh Kh + Qh Kl +
-    Ql Kh`` (what is left out, ``Ql Kl``, is 2^-16 of a product; bf16 alone keeps 2^-8). The
+    Ql Kh`` (what is left out, ``Ql Kl``, is 2^-16 of a product; bf16 alone keeps 2^-8). With
+    ``bf16_scores`` one product, ``Qh Kh``: Q and K rounded to bf16 as a bf16 model's own are
+    (``--dtype bfloat16`` builds; PyTorch's bf16 attention scores so). The
     softmax's exp turns a score's error into the probability's: with scores of +-30 one product
     misses P V's own bf16 error 3-7-fold (tests/test_attention.py); on all-MiniLM-L6-v2's real
     tokens it measured no different. Three products on tiles cost less than the conversions.
@@ -735,9 +737,9 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
         for bh in T.parallel(batch * heads):
             configure_tiles()
             qb = T.alloc_buffer((seq, dim), "uint16")  # Q's rows in bf16
-            ql = T.alloc_buffer((seq, dim), "uint16")  # and what that rounding left, in bf16
+            ql = T.alloc_buffer((1, 1) if bf16_scores else (seq, dim), "uint16")  # and what that rounding left, in bf16
             kb = T.alloc_buffer((dim // 2, seq), "uint32")  # K^T's pairs: kb[d / 2, j] = K[j, d], K[j, d + 1]
-            kl = T.alloc_buffer((dim // 2, seq), "uint32")  # and what rounding them left
+            kl = T.alloc_buffer((1, 1) if bf16_scores else (dim // 2, seq), "uint32")  # and what rounding them left
             vb = T.alloc_buffer((seq // 2, dim), "uint32")  # V's pairs: vb[j / 2, d] = V[j, d], V[j + 1, d]
             scores = T.alloc_buffer((TILE, seq), "float32")  # a block of query rows' scores
             pb = T.alloc_buffer((TILE, seq), "uint16")  # their probabilities (not yet divided by their sum) in bf16
@@ -751,7 +753,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                 for d0 in range(dim // lanes):
                     for x in T.vectorized(lanes):
                         qb[s, d0 * lanes + x] = T.Cast("uint16", _bf16_high(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
-                        ql[s, d0 * lanes + x] = T.Cast("uint16", _bf16_rest(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
+                        if not bf16_scores:
+                            ql[s, d0 * lanes + x] = T.Cast("uint16", _bf16_rest(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
             for s2 in range(seq // 2):
                 for d0 in range(dim // lanes):
                     for x in T.vectorized(lanes):
@@ -765,13 +768,15 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     for c in T.unroll(pairs):
                         for x in T.vectorized(lanes):
                             kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
-                            kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
+                            if not bf16_scores:
+                                kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
             for i0 in range(seq // TILE):  # a block of query rows at a time: its scores stay in L1 and L2
                 for j0 in range(span.first(i0 * TILE) // TILE, span.end(i0 * TILE) // TILE):
-                    zero_block()  # Q K^T as Qh Kh^T + Qh Kl^T + Ql Kh^T
+                    zero_block()  # Q K^T as Qh Kh^T (+ Qh Kl^T + Ql Kh^T)
                     block_product(qb, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
-                    block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, 0, dim)
-                    block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
+                    if not bf16_scores:
+                        block_product(qb, i0 * TILE, dim * 2, kl, 0, j0 * TILE, seq * 4, 0, dim)
+                        block_product(ql, i0 * TILE, dim * 2, kb, 0, j0 * TILE, seq * 4, 0, dim)
                     store_block(scores, 0, j0 * TILE, seq * 4)
                 # scale, mask, softmax's max, exp and sum over each row; the probabilities in bf16
                 for i in range(TILE):

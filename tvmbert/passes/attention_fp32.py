@@ -96,7 +96,7 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
     return candidates, {var: attention for var, attention in rotated.items() if attention.sources[0][0] in candidates}
 
 
-def attention_rewrite(lanes: int, amx_bf16: bool = False):
+def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = False):
     """The module pass: each fp32 ``matmul(softmax(matmul(Q, K^T) [* or / scale] [+ mask]), V)``
     whose Q, K and V are head-major views of row-major [tokens, heads x dim] values (reshapes,
     transposes, the split or slices of a fused projection; in a packed build, their gather into
@@ -108,7 +108,8 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
     What else uses the views or the scores keeps them (dead code goes). DeBERTa's position
     scores are gathered by the kernel from their two products (``kernels/attention.Positions``),
     with no [batch x heads, seq, seq] tensor of them. With ``amx_bf16``, the
-    kernel's matmuls run on AMX-BF16 where its tiles fit (``kernels/attention.amx_bf16_kernel``)."""
+    kernel's matmuls run on AMX-BF16 where its tiles fit (``kernels/attention.amx_bf16_kernel``),
+    its scores from one bf16 product with ``bf16_scores`` (bf16 builds), else three."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import dataflow, unread
@@ -138,13 +139,14 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False):
             mask_shape = tuple(int(d) for d in mask.ty.shape) if mask is not None else None
             key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window, positions)
             if key not in self.kernels:
+                scores = {"bf16_scores": bf16_scores} if on_amx else {}
                 function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
-                                                                     found.tokens, panel, found.window, positions)
+                                                                     found.tokens, panel, found.window, positions, **scores)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
                     + (f"_window{found.window}" if found.window is not None else "") \
                     + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
                     + ("_positions" if positions is not None else "") \
-                    + ("_amx" if on_amx else "")
+                    + ("_amx" if on_amx else "") + ("_bf16_scores" if on_amx and bf16_scores else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 

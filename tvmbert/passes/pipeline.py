@@ -128,7 +128,10 @@ def _fma_fp32(context):
 def _attention_fp32(context):
     from tvmbert.passes.attention_fp32 import attention_rewrite
 
-    return [attention_rewrite(context.target.fp32_lanes, amx_bf16=context.attention_on_amx)]
+    # A bf16 build's Q and K are bf16 as a bf16 model's are: its scores one bf16 product (an int8
+    # build's three, about 16 bits: docs/precision.md).
+    return [attention_rewrite(context.target.fp32_lanes, amx_bf16=context.attention_on_amx,
+                              bf16_scores=context.dtype == "bfloat16")]
 
 
 def _fast_math(_context):
