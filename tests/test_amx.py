@@ -57,7 +57,7 @@ def test_a_gated_amx_kernel_writes_gelu_of_the_activated_half_times_its_gates(ou
     import tvm
     from tvm import relax
 
-    from tvmbert.passes.fma_fp32 import gates_beside_inputs
+    from tvmbert.passes.kernel_calls import gates_beside_inputs
 
     lead, n, k = (3, 32), 192, 64  # one chunk of three row blocks: two stored between the next one's tiles, the last after them
     rng = np.random.default_rng(1)

@@ -104,7 +104,7 @@ def bf16_kernel(m: int, n: int, k: int, lead: tuple[int, ...] | None = None, act
     residual applied to each 32 x 32 block after its tiles are stored (without ``residual``, R is
     one unread float), and Y written in ``out_dtype`` (bfloat16 where the next matmul reads it: no
     cast kernel over it). ``gated`` (a GLU: ModernBERT's GeGLU): each block's 32 columns are 16
-    activated ones and their 16 gates (``passes/fma_fp32.gates_beside_inputs`` orders W's and b's
+    activated ones and their 16 gates (``passes/kernel_calls.gates_beside_inputs`` orders W's and b's
     columns so), and Y[m, n / 2] holds ``act(activated) * gate``: no kernel over the sum's columns.
 
     With ``lead`` (the leading dimensions of X and Y, whose product is m), X and Y have them instead

@@ -117,7 +117,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     ``y[n / width, m, width]``: each panel's columns of all rows together (``passes/fma_fp32.panel_major_variant``).
     ``gated`` (a GLU: ModernBERT's GeGLU) writes ``y[*lead, n / 2] = act(first half) * second
     half`` of each panel's columns, W's and b's columns interleaved so that each panel holds
-    ``width / 2`` activated columns and their gates (``passes/fma_fp32.gates_beside_inputs``):
+    ``width / 2`` activated columns and their gates (``passes/kernel_calls.gates_beside_inputs``):
     the product's other half is never written. ``rotary`` (first panel, end panel, table rows P;
     panel-major only) rotates panels first..end - 1 as it stores them, each one head's Q or K
     (ModernBERT's rotary positions, ``y * cos + rotate_half(y) * sin``, rotate_half(y) =

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from tvmbert.kernels.amx import ACTIVATIONS, TILE, bf16_fits, bf16_kernel
-from tvmbert.passes.fma_fp32 import gates_beside_inputs
 
 
 def weight_in_vnni_layout(weight):
@@ -28,7 +27,7 @@ def amx_matmuls():
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count, weight_matmul_sizes, weights_of
-    from tvmbert.passes.kernel_calls import Epilogues, KernelFunctions, call_with_padded_rows, kernel_operands
+    from tvmbert.passes.kernel_calls import Epilogues, KernelFunctions, call_with_padded_rows, gated_operands, kernel_operands
     from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator
@@ -56,8 +55,7 @@ def amx_matmuls():
         def call_kernel(self, x, weight, bias, sizes, activation, residual, out_dtype, gate=None):
             lead, n, k = sizes
             if gate is not None:  # each block of 32 columns: 16 activated, then their gates
-                weight = self.builder_.emit(gates_beside_inputs(weight, gate, TILE // 2))
-                bias = self.builder_.emit(gates_beside_inputs(bias, gate, TILE // 2))
+                weight, bias = gated_operands(self.builder_, weight, bias, gate, TILE // 2)
             laid_out = self.builder_.emit(weight_in_vnni_layout(weight))
             kernel_for = self.kernels.for_sizes(self.builder_, n, k, activation, residual is not None, out_dtype, gate is not None)
             return call_with_padded_rows(self.builder_, kernel_for, x, kernel_operands(laid_out, bias, residual), lead,

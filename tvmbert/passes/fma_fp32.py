@@ -39,23 +39,6 @@ def weight_in_panels(weight, width: int):
     return relax.op.permute_dims(relax.op.reshape(weight, (k, n // width, width)), [1, 0, 2])
 
 
-def gates_beside_inputs(weight, activated_half: int, chunk: int):
-    """Relax: a GLU's W[K, N] (or its bias b[N]) with the activated half's columns first and
-    the columns reordered so that every ``2 * chunk`` hold ``chunk`` activated columns, then
-    their ``chunk`` gates: what the gated kernel's panels take (``kernels/fma.kernel``). A
-    function of the weight alone, which bind-params lifts into the build-time weight transform."""
-    from tvm import relax
-
-    shape = [int(d) for d in weight.ty.shape]
-    n = shape[-1]
-    halves = relax.op.reshape(weight, (*shape[:-1], 2, n // 2 // chunk, chunk))
-    if activated_half:
-        halves = relax.op.flip(halves, axis=len(shape) - 1)
-    axes = list(range(len(shape) + 2))
-    axes[len(shape) - 1], axes[len(shape)] = axes[len(shape)], axes[len(shape) - 1]
-    return relax.op.reshape(relax.op.permute_dims(halves, axes), shape)
-
-
 def fma_matmuls(lanes: int, min_rows: int):
     """The module pass: ``add(matmul(x, W), b)`` in fp32 (either order), W and b weights, at least
     ``min_rows`` rows, N a multiple of the lanes and the product used by nothing else, becomes one
@@ -64,7 +47,7 @@ def fma_matmuls(lanes: int, min_rows: int):
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count
-    from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
+    from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, gated_operands, kernel_operands
 
     def takes(lead, n, _k):
         return row_count(lead) >= min_rows and tile(n, lanes) is not None
@@ -74,8 +57,7 @@ def fma_matmuls(lanes: int, min_rows: int):
         gated = gate is not None
         _, vectors = tile(n, lanes, gated)
         if gated:
-            weight = rewriter.builder_.emit(gates_beside_inputs(weight, gate, vectors * lanes // 2))
-            bias = rewriter.builder_.emit(gates_beside_inputs(bias, gate, vectors * lanes // 2))
+            weight, bias = gated_operands(rewriter.builder_, weight, bias, gate, vectors * lanes // 2)
         laid_out = rewriter.builder_.emit(weight_in_panels(weight, vectors * lanes))
         kernel_for = rewriter.kernels.for_sizes(rewriter.builder_, n, k, activation, residual is not None, "float32", gated)
         return relax.call_tir(kernel_for(row_count(lead), lead), [x, *kernel_operands(laid_out, bias, residual)],

@@ -18,7 +18,6 @@ from tvmbert.kernels.int8 import (
     quantize_rows_kernel,
     tile,
 )
-from tvmbert.passes.fma_fp32 import gates_beside_inputs
 
 
 def quantized_weight(weight, width: int, dot: DotProduct):
@@ -56,7 +55,7 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     from tvm import relax
 
     from tvmbert.ir.dataflow import row_count
-    from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, kernel_operands
+    from tvmbert.passes.kernel_calls import fp32_weight_matmul_pass, gated_operands, kernel_operands
 
     dot = DOT_PRODUCTS[instruction]
     assert not amx_tiles or dot.instruction == "vpdpbusd", dot.instruction  # AMX's rows are VNNI's (TargetSpec.has_amx_int8)
@@ -87,7 +86,7 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
         width = amx.TILE if rows else tile(n, lanes)[1] * lanes
         emit = rewriter.builder_.emit
         if gate is not None:  # on AMX: each panel's 32 columns, 16 activated then their gates
-            weight, bias = emit(gates_beside_inputs(weight, gate, amx.TILE // 2)), emit(gates_beside_inputs(bias, gate, amx.TILE // 2))
+            weight, bias = gated_operands(rewriter.builder_, weight, bias, gate, amx.TILE // 2)
         laid_out, weight_scale, start = (emit(operand) for operand in quantized_weight(weight, width, dot))
         rows_type = relax.TensorType((rows, k) if rows else (*lead, k), ROWS_DTYPE)
         quantized = emit(relax.call_tir(quantizer(rewriter, lead, k, rows), [x], [rows_type, relax.TensorType((m,), "float32")]))

@@ -1,7 +1,7 @@
 """What the passes that hand work to a kernel of ours (``amx_bf16``, ``fma_fp32``, ``int8_matmuls``,
 ``attention_fp32``, ``layer_norm_fp32``) share: the call itself, with the rows padded to the
-kernel's granularity where they have to be, the epilogues that fold into it, one function per
-kernel shape, and the kernels a module holds."""
+kernel's granularity where they have to be, the epilogues that fold into it (a gated
+activation's weight reordered for it), one function per kernel shape, and the kernels a module holds."""
 
 from __future__ import annotations
 
@@ -24,6 +24,30 @@ def call_with_padded_rows(builder, kernel_for, x, operands, lead, n: int, k: int
     y = emit(relax.call_tir(kernel_for(padded, (padded,)), [flat, *operands], relax.TensorType((padded, n), out_dtype)))
     y = emit(relax.op.strided_slice(y, axes=[0], begin=[0], end=[m]))
     return relax.op.reshape(y, (*lead, n))
+
+
+def gates_beside_inputs(weight, activated_half: int, chunk: int):
+    """Relax: a GLU's W[K, N] (or its bias b[N]) with the activated half's columns first and
+    the columns reordered so that every ``2 * chunk`` hold ``chunk`` activated columns, then
+    their ``chunk`` gates: what a gated kernel's panels or blocks take (``kernels/fma.kernel``,
+    ``kernels/amx.py``). A function of the weight alone, which bind-params lifts into the
+    build-time weight transform."""
+    from tvm import relax
+
+    shape = [int(d) for d in weight.ty.shape]
+    n = shape[-1]
+    halves = relax.op.reshape(weight, (*shape[:-1], 2, n // 2 // chunk, chunk))
+    if activated_half:
+        halves = relax.op.flip(halves, axis=len(shape) - 1)
+    axes = list(range(len(shape) + 2))
+    axes[len(shape) - 1], axes[len(shape)] = axes[len(shape)], axes[len(shape) - 1]
+    return relax.op.reshape(relax.op.permute_dims(halves, axes), shape)
+
+
+def gated_operands(builder, weight, bias, gate: int, chunk: int):
+    """A gated kernel's weight and bias, their columns in ``gates_beside_inputs``' order
+    (``gate``: which half is activated), emitted on ``builder``."""
+    return builder.emit(gates_beside_inputs(weight, gate, chunk)), builder.emit(gates_beside_inputs(bias, gate, chunk))
 
 
 def kernels_in(module, attribute: str) -> list[str]:
