@@ -648,21 +648,70 @@ def amx_bf16_fits(seq: int, dim: int, lanes: int) -> bool:
     return lanes == 16 and seq % TILE == 0 and dim % TILE == 0
 
 
-def _bf16_high(value):
-    """TIR: ``value`` (fp32) rounded to bf16, half to even, in the high 16 bits of a uint32 (the
-    low bits zero): integer operations on whole vectors, where a cast to bf16 goes through TVM's
-    own legalization."""
+# 2^f on [-1/2, 1/2] (ln2^k / k!, highest power first): within 2.4e-6 of it, where a probability
+# rounded to bf16 keeps 2^-9.
+EXP2_POLYNOMIAL = (1.3333558146428443e-3, 9.6181291076284772e-3, 5.5504108664821580e-2, 2.4022650695910071e-1,
+                   6.9314718055994531e-1, 1.0)
+LOG2_E = 1.4426950408889634
+EXP2_FLOOR = -125.0  # 2^(-125 - 1/2) is still a normal float32: no subnormal probability, whose products stall
+
+
+def _llvm_vector_call(dtype: str, name: str, *args):
     from tvm.script import tirx as T
 
-    bits = T.reinterpret("uint32", value)
-    return (bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) & T.uint32(0xFFFF0000)
+    return T.call_llvm_pure_intrin(dtype, T.llvm_lookup_intrinsic_id(name), *args)
 
 
-def _bf16_rest(value):
-    """TIR: what rounding ``value`` to bf16 leaves (exact in fp32), itself rounded, as ``_bf16_high``."""
+def _bf16_bits(value, lanes: int):
+    """TIR: a vector of float32 rounded to bf16, half to even (``vcvtneps2bf16``, every AMX CPU
+    has AVX512-BF16), its bits as uint16."""
     from tvm.script import tirx as T
 
-    return _bf16_high(value - T.reinterpret("float32", _bf16_high(value)))
+    return T.reinterpret(f"uint16x{lanes}", _llvm_vector_call(f"bfloat16x{lanes}", "llvm.x86.avx512bf16.cvtneps2bf16.512", value))
+
+
+def _widened(bits, lanes: int):
+    """TIR: bf16 bits (uint16) as the float32 they are."""
+    from tvm.script import tirx as T
+
+    return T.reinterpret(f"float32x{lanes}", T.Cast(f"uint32x{lanes}", bits) << T.uint32(16))
+
+
+def _bf16_rest_bits(value, lanes: int):
+    """TIR: what rounding ``value`` to bf16 leaves (exact in float32), itself in bf16."""
+    return _bf16_bits(value - _widened(_bf16_bits(value, lanes), lanes), lanes)
+
+
+def _pairs(first, second, lanes: int):
+    """TIR: two vectors of float32 in bf16 as AMX's pairs, a uint32 each (``first`` the low half)."""
+    from tvm.script import tirx as T
+
+    return T.Cast(f"uint32x{lanes}", second) << T.uint32(16) | T.Cast(f"uint32x{lanes}", first)
+
+
+def bf16_probabilities(scores, row_max, lanes: int):
+    """TIR: ``exp(scores - row_max)`` rounded to bf16 (its bits as uint16) for a vector of 16 scores
+    (AVX-512 with AVX512-BF16, as every AMX CPU has), in 16 instructions where ``exp_float32``
+    and the rounding by integer operations took 30, the softmax's cost on tiles (43% of the AMX
+    kernel at 512 tokens): 2^t (t the score in bits) as a polynomial in t's fraction, scaled by
+    ``vscalefps`` by its integer part, rounded half to even by ``vcvtneps2bf16``. A masked
+    score (-3.4e38) gives 2^-125, not 0: 1e-38 of a row's weight, which no sum of fp32 keeps."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    def vector(value):
+        return T.Broadcast(T.float32(value), lanes)
+
+    # The difference first: a row whose every key is masked has scores of ~-3.4e38, whose times
+    # log2(e) overflows; their differences are 0, as in PyTorch's softmax (the values' mean).
+    t = T.max((scores - T.Broadcast(row_max, lanes)) * vector(LOG2_E), vector(EXP2_FLOOR))
+    whole_part = _llvm_vector_call(f"float32x{lanes}", "llvm.roundeven", t)
+    fraction = t - whole_part
+    power = vector(EXP2_POLYNOMIAL[0])
+    for coefficient in EXP2_POLYNOMIAL[1:]:
+        power = power * fraction + vector(coefficient)
+    return _bf16_bits(_llvm_vector_call(f"float32x{lanes}", "llvm.x86.avx512.mask.scalef.ps.512", power, whole_part, power,
+                                        tirx.const(-1, "int16"), T.int32(4)), lanes)
 
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
@@ -700,7 +749,6 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     (q_columns, _), (k_columns, _), (v_columns, _) = grid.sources
     mask_shape, masked, scale_by = grid.mask_shape, grid.masked, T.float32(scale if scale is not None else 1.0)
     configure_tiles = tile_configuration()
-    pairs = lanes // 2
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, lanes, combine)
@@ -708,6 +756,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     # With position scores, a loop before the mask's scales the scores and adds them (gathers, whole vectors).
     scale_by_then = scale_by if positions is None else T.float32(1.0)
 
+    parts = 1 if bf16_scores else 2  # of Q and K in bf16: a part, and with three products a rest
+    pairs = lanes // 2
     @T.macro
     def zero_block():
         for tile in T.unroll(4):
@@ -741,35 +791,37 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
             kb = T.alloc_buffer((dim // 2, seq), "uint32")  # K^T's pairs: kb[d / 2, j] = K[j, d], K[j, d + 1]
             kl = T.alloc_buffer((1, 1) if bf16_scores else (dim // 2, seq), "uint32")  # and what rounding them left
             vb = T.alloc_buffer((seq // 2, dim), "uint32")  # V's pairs: vb[j / 2, d] = V[j, d], V[j + 1, d]
+            kr = T.alloc_buffer((parts, seq, dim // 2), "uint32")  # K's rows in bf16 as pairs (and what that rounding left)
             scores = T.alloc_buffer((TILE, seq), "float32")  # a block of query rows' scores
             pb = T.alloc_buffer((TILE, seq), "uint16")  # their probabilities (not yet divided by their sum) in bf16
             totals = T.alloc_buffer((TILE,), "float32")
             out = T.alloc_buffer((TILE, TILE), "float32")
             partial = T.alloc_buffer((lanes,), "float32")
-            rounded = T.alloc_buffer((lanes,), "uint32")  # a vector of probabilities in bf16 (high halves)
-            block = T.alloc_buffer((lanes, lanes), "float32", scope="local")
             row_max = T.alloc_buffer((1,), "float32")
-            for s in range(seq):
+            for s in range(seq):  # Q's and K's rows in bf16
                 for d0 in range(dim // lanes):
-                    for x in T.vectorized(lanes):
-                        qb[s, d0 * lanes + x] = T.Cast("uint16", _bf16_high(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
-                        if not bf16_scores:
-                            ql[s, d0 * lanes + x] = T.Cast("uint16", _bf16_rest(grid.head_row(q, rows, 0, bh, s, d0, x)) >> T.uint32(16))
+                    qb[s, T.Ramp(d0 * lanes, 1, lanes)] = _bf16_bits(grid.head_row(q, rows, 0, bh, s, d0, T.Ramp(0, 1, lanes)), lanes)
+                    kr[0, s, T.Ramp(d0 * pairs, 1, pairs)] = T.reinterpret(
+                        f"uint32x{pairs}", _bf16_bits(grid.head_row(k, rows, 1, bh, s, d0, T.Ramp(0, 1, lanes)), lanes))
+                    if not bf16_scores:
+                        ql[s, T.Ramp(d0 * lanes, 1, lanes)] = _bf16_rest_bits(grid.head_row(q, rows, 0, bh, s, d0, T.Ramp(0, 1, lanes)), lanes)
+                        kr[1, s, T.Ramp(d0 * pairs, 1, pairs)] = T.reinterpret(
+                        f"uint32x{pairs}", _bf16_rest_bits(grid.head_row(k, rows, 1, bh, s, d0, T.Ramp(0, 1, lanes)), lanes))
             for s2 in range(seq // 2):
                 for d0 in range(dim // lanes):
-                    for x in T.vectorized(lanes):
-                        vb[s2, d0 * lanes + x] = _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2 + 1, d0, x)) | (
-                            _bf16_high(grid.head_row(v, rows, 2, bh, 2 * s2, d0, x)) >> T.uint32(16))
-            for j0 in range(seq // lanes):  # K in lanes x lanes blocks through registers, stored as pairs of its columns
-                for d0 in range(dim // lanes):
-                    for r in T.unroll(lanes):
-                        for x in T.vectorized(lanes):
-                            block[r, x] = grid.head_row(k, rows, 1, bh, j0 * lanes + r, d0, x)
-                    for c in T.unroll(pairs):
-                        for x in T.vectorized(lanes):
-                            kb[d0 * pairs + c, j0 * lanes + x] = _bf16_high(block[x, 2 * c + 1]) | (_bf16_high(block[x, 2 * c]) >> T.uint32(16))
-                            if not bf16_scores:
-                                kl[d0 * pairs + c, j0 * lanes + x] = _bf16_rest(block[x, 2 * c + 1]) | (_bf16_rest(block[x, 2 * c]) >> T.uint32(16))
+                    vb[s2, T.Ramp(d0 * lanes, 1, lanes)] = _pairs(
+                        _bf16_bits(grid.head_row(v, rows, 2, bh, 2 * s2, d0, T.Ramp(0, 1, lanes)), lanes),
+                        _bf16_bits(grid.head_row(v, rows, 2, bh, 2 * s2 + 1, d0, T.Ramp(0, 1, lanes)), lanes), lanes)
+            # K^T's pairs: a pair of K's row is a uint32 of its bf16 row, so kb is the transpose of
+            # those rows' uint32s, a hardware gather of a key's pair per lane (the transpose in
+            # registers took a tenth of the kernel at 512 tokens).
+            for c in range(dim // 2):
+                for j0 in range(seq // lanes):
+                    kb[c, T.Ramp(j0 * lanes, 1, lanes)] = T.reinterpret(f"uint32x{lanes}", gather_floats(
+                        T.address_of(kr[0, 0, 0]), T.Ramp(j0 * lanes * (dim // 2) + c, dim // 2, lanes), lanes))
+                    if not bf16_scores:
+                        kl[c, T.Ramp(j0 * lanes, 1, lanes)] = T.reinterpret(f"uint32x{lanes}", gather_floats(
+                            T.address_of(kr[1, 0, 0]), T.Ramp(j0 * lanes * (dim // 2) + c, dim // 2, lanes), lanes))
             for i0 in range(seq // TILE):  # a block of query rows at a time: its scores stay in L1 and L2
                 for j0 in range(span.first(i0 * TILE) // TILE, span.end(i0 * TILE) // TILE):
                     zero_block()  # Q K^T as Qh Kh^T (+ Qh Kl^T + Ql Kh^T)
@@ -796,13 +848,10 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                                 scores[i, c * lanes + x] = windowed(i0 * TILE + i, c * lanes + x, scores[i, c * lanes + x] * scale_by_then)
                             partial[x] = T.max(partial[x], scores[i, c * lanes + x])
                     row_max[0] = across_lanes(partial, T.max)
-                    for x in T.vectorized(lanes):
-                        partial[x] = T.float32(0)
+                    partial[T.Ramp(0, 1, lanes)] = T.Broadcast(T.float32(0), lanes)
                     for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
-                        for x in T.vectorized(lanes):
-                            rounded[x] = _bf16_high(exp_float32(scores[i, c * lanes + x] - row_max[0]))
-                            partial[x] = partial[x] + T.reinterpret("float32", rounded[x])
-                            pb[i, c * lanes + x] = T.Cast("uint16", rounded[x] >> T.uint32(16))
+                        pb[i, T.Ramp(c * lanes, 1, lanes)] = bf16_probabilities(scores[i, T.Ramp(c * lanes, 1, lanes)], row_max[0], lanes)
+                        partial[T.Ramp(0, 1, lanes)] = partial[T.Ramp(0, 1, lanes)] + _widened(pb[i, T.Ramp(c * lanes, 1, lanes)], lanes)
                     totals[i] = across_lanes(partial, lambda a, b: a + b)
                 # y = P V / sum
                 for d0 in range(dim // TILE):
