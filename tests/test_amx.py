@@ -114,20 +114,25 @@ def test_bf16_attention_runs_on_bf16_tiles_and_layer_norms_on_the_fp32_kernel(tv
     (stage,) = workdir.glob("bert-tiny/b2-s32-bfloat16/llvm-*/build/stage.json")
     meta = json.loads(stage.read_text())
     meta = meta.get("meta", meta)
-    # the AMX kernel's rows, not panel-major; its scores one bf16 product, as PyTorch's bf16 model's
-    assert meta["attention_kernels"] == ["attention_2x2x32x64_masked_amx_bf16_scores"]
+    # the AMX kernel's rows, not panel-major; its scores one bf16 product, as PyTorch's bf16 model's;
+    # its result in bf16, for the output projection
+    assert meta["attention_kernels"] == ["attention_2x2x32x64_masked_amx_bf16_scores_to_bfloat16"]
     assert meta["attention_kernels"][0] in meta["amx_kernels"]
     assert meta["layer_norm_kernels"] == ["layer_norm_2x32x128"]  # the residual adds stay in the AMX kernels
 
 
 def test_bf16_attention_for_an_amx_cpu_is_built_on_bf16_tiles(tvmbert, workdir):
     """Compiled only, on any host (run for real above, on AMX hosts): a bf16 build for an AMX CPU
-    takes attention's AMX kernel where its tiles fit, and the fp32 one where they do not (48 tokens)."""
+    takes attention's AMX kernel where its tiles fit, writing bf16 for the output projection, and
+    the fp32 one where they do not (48 tokens), whose result a kernel of its own casts, a layer each."""
     target = "llvm -mcpu=sapphirerapids"
-    for seq_len, expected in (("32", ["attention_1x2x32x64_masked_amx_bf16_scores"]), ("48", ["attention_1x2x48x64_masked"])):
+    casts = {}
+    for seq_len, expected in (("32", ["attention_1x2x32x64_masked_amx_bf16_scores_to_bfloat"]), ("48", ["attention_1x2x48x64_masked"])):
         outcome = tvmbert("optimize", "bert-tiny", "--dtype", "bfloat16", "--seq-len", seq_len, "--target", target, "--json")
         assert outcome.code == 0, outcome.stderr
         assert sorted(name[len("tir:"):] for name in outcome.json["ops_after"] if name.startswith("tir:attention")) == expected
+        casts[seq_len] = sum(count for name, count in outcome.json["ops_after"].items() if "cast" in name)
+    assert casts["32"] == casts["48"] - 2  # bert-tiny's two layers
 
 
 def test_bf16_is_refused_for_a_cpu_without_amx(tvmbert):

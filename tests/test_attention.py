@@ -250,6 +250,29 @@ def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
     assert sorted(heap_buffers(library)) == ["block", "kt", "scores", "vh"]
 
 
+@pytest.mark.amx
+def test_the_amx_kernel_writing_bf16_rounds_what_it_would_write_in_fp32():
+    """A bf16 build's attention writes its result in bf16 for the output projection (no cast
+    kernel after it): each value its fp32 result rounded half to even, nothing else changed."""
+    import ml_dtypes
+    import tvm
+
+    batch, heads, seq, dim = 2, 2, 64, 64
+    rng = np.random.default_rng(7)
+    columns = rng.standard_normal((batch * seq, 3 * heads * dim), dtype=np.float32)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    mask = np.where(rng.random((batch, 1, 1, seq)) < 0.3, MASKED, 0).astype(np.float32)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, mask.shape, 0.125, bf16_scores=True, out_dtype=dtype)
+        library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+        y = tvm.runtime.empty((batch, seq, heads, dim), dtype)
+        library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
+        results[dtype] = y.numpy()
+    rounded = results["float32"].astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(results["bfloat16"].view(np.uint16), rounded.view(np.uint16))
+
+
 @pytest.mark.parametrize("on_amx", [pytest.param(False, marks=pytest.mark.simd), pytest.param(True, marks=pytest.mark.amx)])
 def test_a_row_with_every_key_masked_averages_the_values_as_pytorch_does(on_amx):
     """Every weight of the row is then 1: the values' mean (the AMX kernel's values in bf16)."""

@@ -291,10 +291,10 @@ def fits(seq: int, dim: int, lanes: int) -> bool:
     return lanes > 0 and seq % lanes == 0 and dim % lanes == 0
 
 
-def _attention_function(grid: _Grid, positions: Positions | None, attributes: dict, name: str, every_head):
+def _attention_function(grid: _Grid, positions: Positions | None, attributes: dict, name: str, every_head, out_dtype: str = "float32"):
     """A kernel's PrimFunc: its operands (``kernel``'s, and with ``positions`` the three that
-    DeBERTa's position scores read, before ``y``) around one block of ``every_head``, a macro of
-    its loops over them."""
+    DeBERTa's position scores read, before ``y``, in ``out_dtype``) around one block of
+    ``every_head``, a macro of its loops over them."""
     import tvm
     from tvm.script import tirx as T
 
@@ -306,7 +306,7 @@ def _attention_function(grid: _Grid, positions: Positions | None, attributes: di
         @T.prim_func(s_tir=True)
         def attention(q: T.Buffer(grid.operand_shape(q_columns), "float32"), k: T.Buffer(grid.operand_shape(k_columns), "float32"),
                       v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
-                      rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), "float32")):
+                      rows: T.Buffer(grid.rows_shape, grid.rows_dtype), y: T.Buffer((batch, seq, heads, dim), out_dtype)):
             T.func_attr(attributes)
             with T.sblock("root"):
                 with T.sblock(name):
@@ -321,7 +321,7 @@ def _attention_function(grid: _Grid, positions: Positions | None, attributes: di
                       v: T.Buffer(grid.operand_shape(v_columns), "float32"), mask: T.Buffer(mask_shape, "float32"),
                       rows: T.Buffer(grid.rows_shape, grid.rows_dtype), by_query: T.Buffer(query_shape, "float32"),
                       by_key: T.Buffer(key_shape, "float32"), index: T.Buffer(index_shape, "int32"),
-                      y: T.Buffer((batch, seq, heads, dim), "float32")):
+                      y: T.Buffer((batch, seq, heads, dim), out_dtype)):
             T.func_attr(attributes)
             with T.sblock("root"):
                 with T.sblock(name):
@@ -716,7 +716,7 @@ def bf16_probabilities(scores, row_max, lanes: int):
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
                     scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None,
-                    positions: Positions | None = None, bf16_scores: bool = False):
+                    positions: Positions | None = None, bf16_scores: bool = False, out_dtype: str = "float32"):
     """``kernel``'s attention (same operands and output, DeBERTa's position scores too) with its two matmuls on AMX-BF16
     (``tdpbf16ps``, fp32 sums), for the int8 build on AMX, where the fp32 kernel took a quarter of
     bert-base's time at 8 x 128 (docs/benchmarks.md, int8 on Sapphire Rapids).
@@ -738,7 +738,8 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``. Scores, softmax and P V go
     32 query rows at a time, as the fp32 kernel's blocks do: a whole head's scores and
     probabilities (1.5 MiB at 512 tokens) beside K's and V's pairs outgrew a core's 2 MiB L2.
-    With ``window``, as ``kernel``: only the key blocks within it."""
+    With ``window``, as ``kernel``: only the key blocks within it. ``out_dtype`` bfloat16: y
+    rounded to bf16 as it is stored, for a bf16 build's next projection."""
     from tvm.script import tirx as T
 
     assert amx_bf16_fits(seq, dim, lanes), (seq, dim, lanes)
@@ -860,7 +861,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     store_block(out, 0, 0, TILE * 4)
                     for i in range(TILE):
                         for x in T.vectorized(TILE):
-                            y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = out[i, x] / totals[i]
+                            y[bh // heads, i0 * TILE + i, bh % heads, d0 * TILE + x] = T.Cast(out_dtype, out[i, x] / totals[i])
             T.evaluate(tile_instruction("tilerelease"))
 
-    return _attention_function(grid, positions, {KERNEL_ATTR: True, AMX_KERNEL_ATTR: True}, "attention_amx_tiles", every_head)
+    return _attention_function(grid, positions, {KERNEL_ATTR: True, AMX_KERNEL_ATTR: True}, "attention_amx_tiles", every_head, out_dtype)

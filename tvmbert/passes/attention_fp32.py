@@ -109,10 +109,11 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
     scores are gathered by the kernel from their two products (``kernels/attention.Positions``),
     with no [batch x heads, seq, seq] tensor of them. With ``amx_bf16``, the
     kernel's matmuls run on AMX-BF16 where its tiles fit (``kernels/attention.amx_bf16_kernel``),
-    its scores from one bf16 product with ``bf16_scores`` (bf16 builds), else three."""
+    its scores from one bf16 product with ``bf16_scores`` (bf16 builds), else three; and where
+    only a cast to bf16 reads its result (``casts_to_bf16``), it writes bf16."""
     from tvm import relax
 
-    from tvmbert.ir.dataflow import dataflow, unread
+    from tvmbert.ir.dataflow import dataflow, is_call, unread
     from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator
@@ -132,21 +133,47 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             self.values = flow[1]
             self.found.update(rotated)
             self.results, self.panels, self.padding_masks, self.tables = {}, {}, {}, {}
+            self.bf16_results = self.casts_to_bf16(flow) if amx_bf16 else {}
 
-        def kernel_for(self, found: Attention, panel: int, mask, on_amx: bool, positions: Positions | None):
+        def casts_to_bf16(self, flow) -> dict:
+            """The attentions on AMX whose result only a cast to bf16 reads (through reshapes to
+            [tokens, heads x dim]: a bf16 build's next projection), P V var -> that cast's var:
+            the kernel writes bf16 itself, and no kernel casts its rows."""
+            from tvm import relax
+
+            bindings, values, uses = flow
+            users: dict = {}
+            for binding in bindings:
+                for var in relax.analysis.free_vars(binding.value):
+                    users.setdefault(var, []).append(binding.var)
+            casts = {}
+            for view, product in self.outputs.items():
+                batch, heads, seq, dim = self.found[product].shape
+                if not amx_bf16_fits(seq, dim, lanes) or uses.get(product) != 1:
+                    continue
+                var = view
+                while uses.get(var) == 1 and users.get(var) and is_call(values.get(users[var][0]), "relax.reshape"):
+                    var = users[var][0]
+                cast = users[var][0] if uses.get(var) == 1 and users.get(var) else None
+                if cast is not None and is_call(values.get(cast), "relax.astype") and values[cast].attrs.dtype == "bfloat16":
+                    casts[product] = cast
+            return casts
+
+        def kernel_for(self, found: Attention, panel: int, mask, on_amx: bool, positions: Positions | None, out_dtype: str):
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
             mask_shape = tuple(int(d) for d in mask.ty.shape) if mask is not None else None
-            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window, positions)
+            key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window, positions, out_dtype)
             if key not in self.kernels:
-                scores = {"bf16_scores": bf16_scores} if on_amx else {}
+                scores = {"bf16_scores": bf16_scores, "out_dtype": out_dtype} if on_amx else {}
                 function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
                                                                      found.tokens, panel, found.window, positions, **scores)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
                     + (f"_window{found.window}" if found.window is not None else "") \
                     + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
                     + ("_positions" if positions is not None else "") \
-                    + ("_amx" if on_amx else "") + ("_bf16_scores" if on_amx and bf16_scores else "")
+                    + ("_amx" if on_amx else "") + ("_bf16_scores" if on_amx and bf16_scores else "") \
+                    + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
@@ -228,13 +255,16 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
                 mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks, positions_read=bool(found.positions))
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
                 positions, position_operands = self.position_operands(found.positions, batch, seq, not on_amx)
-                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask, on_amx, positions),
+                out_dtype = "bfloat16" if binding.var in self.bf16_results else "float32"
+                result = self.builder_.emit(relax.call_tir(self.kernel_for(found, panel, mask, on_amx, positions, out_dtype),
                                                            [*operands, mask if mask is not None else unread(), rows, *position_operands],
-                                                           relax.TensorType((batch, seq, heads, dim), "float32")))
+                                                           relax.TensorType((batch, seq, heads, dim), out_dtype)))
                 self.results[binding.var] = result
                 self.set_var_remap(binding.var, self.builder_.emit(relax.op.permute_dims(result, [0, 2, 1, 3])))
             elif binding.var in self.outputs and self.outputs[binding.var] in self.results:
                 self.set_var_remap(binding.var, self.results[self.outputs[binding.var]])
+            elif binding.var in self.bf16_results.values():  # the kernel's result is bf16 already
+                self.set_var_remap(binding.var, self.visit_expr(binding.value.args[0]))
             else:
                 super().visit_var_binding_(binding)
 
