@@ -17,6 +17,26 @@ def dataflow(function) -> tuple[list, dict, dict]:
     return bindings, {b.var: b.value for b in bindings}, uses
 
 
+def readers(bindings) -> dict:
+    """var -> the vars of the bindings that read it, in order (``dataflow``'s ``uses`` counts them)."""
+    from tvm import relax
+
+    found: dict = {}
+    for binding in bindings:
+        for var in relax.analysis.free_vars(binding.value):
+            found.setdefault(var, []).append(binding.var)
+    return found
+
+
+def cast_through_reshapes(var, values: dict, uses: dict, read_by: dict, dtype: str):
+    """The var of an ``astype(.., dtype)`` that ``var`` is, or reaches through reshapes each read
+    by nothing else (a bf16 build's cast of a kernel's rows before the next matmul); else None."""
+    while is_call(values.get(var), "relax.reshape") and uses.get(var) == 1 and read_by.get(var):
+        var = read_by[var][0]
+    value = values.get(var)
+    return var if is_call(value, "relax.astype") and value.attrs.dtype == dtype else None
+
+
 def is_call(expr, op_name: str) -> bool:
     """Whether ``expr`` is a call of the Relax operator named ``op_name`` (``relax.matmul``)."""
     from tvm import relax

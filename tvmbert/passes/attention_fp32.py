@@ -113,7 +113,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
     only a cast to bf16 reads its result (``casts_to_bf16``), it writes bf16."""
     from tvm import relax
 
-    from tvmbert.ir.dataflow import dataflow, is_call, unread
+    from tvmbert.ir.dataflow import cast_through_reshapes, dataflow, readers, unread
     from tvmbert.passes.rewriters import function_pass
 
     @relax.expr_functor.mutator
@@ -139,23 +139,14 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             """The attentions on AMX whose result only a cast to bf16 reads (through reshapes to
             [tokens, heads x dim]: a bf16 build's next projection), P V var -> that cast's var:
             the kernel writes bf16 itself, and no kernel casts its rows."""
-            from tvm import relax
-
             bindings, values, uses = flow
-            users: dict = {}
-            for binding in bindings:
-                for var in relax.analysis.free_vars(binding.value):
-                    users.setdefault(var, []).append(binding.var)
+            read_by = readers(bindings)
             casts = {}
             for view, product in self.outputs.items():
                 batch, heads, seq, dim = self.found[product].shape
-                if not amx_bf16_fits(seq, dim, lanes) or uses.get(product) != 1:
+                if not amx_bf16_fits(seq, dim, lanes) or uses.get(product) != 1 or uses.get(view) != 1:
                     continue
-                var = view
-                while uses.get(var) == 1 and users.get(var) and is_call(values.get(users[var][0]), "relax.reshape"):
-                    var = users[var][0]
-                cast = users[var][0] if uses.get(var) == 1 and users.get(var) else None
-                if cast is not None and is_call(values.get(cast), "relax.astype") and values[cast].attrs.dtype == "bfloat16":
+                if (cast := cast_through_reshapes(read_by[view][0], values, uses, read_by, "bfloat16")) is not None:
                     casts[product] = cast
             return casts
 
