@@ -19,13 +19,11 @@ def fits(n: int, lanes: int) -> bool:
     return lanes > 0 and n % lanes == 0
 
 
-def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] | None = None, residual: bool = False,
-           bf16_copy: bool = False):
+def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] | None = None, residual: bool = False):
     """The PrimFunc ``y[*lead, :] = (x - mean) / sqrt(var + epsilon) * gamma + beta`` per row of
     ``n`` values (``rows`` the product of ``lead``); with ``residual``, of ``x + r`` (the sum is
     stored in y's row as it is read, and the later passes read it there), else r is one unread
-    float. With ``bf16_copy``, y rounded to bf16 as well, a second output: in a bf16 build the
-    next projection reads that and the residual add y (no cast kernel over the rows between)."""
+    float."""
     import tvm
     from tvm.script import tirx as T
 
@@ -45,61 +43,43 @@ def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] 
     def summed(xf, yf, row, column):  # the row as the later passes read it: y holds x + r
         return yf[row, column] if residual else xf[row, column]
 
-    @T.macro
-    def rows_of(x, r, gamma, beta, y, yb):
-        xf = T.decl_buffer((rows, n), "float32", data=x.data)
-        rf = T.decl_buffer((rows, n) if residual else (1,), "float32", data=r.data)
-        yf = T.decl_buffer((rows, n), "float32", data=y.data)
-        ybf = T.decl_buffer((rows, n) if bf16_copy else (1,), "bfloat16", data=yb.data)
-        for row in T.parallel(rows):
-            # in scope "global", under fma.STACK_BYTES: on the stack (a "local" buffer would
-            # be a heap workspace, allocated and freed for every row)
-            partial = T.alloc_buffer((width,), "float32")
-            mean = T.alloc_buffer((1,), "float32")
-            scale = T.alloc_buffer((1,), "float32")
-            for c in T.vectorized(width):
-                partial[c] = T.float32(0)
-            for b in range(vectors // chains):
-                for c in T.vectorized(width):
-                    if residual:
-                        yf[row, b * width + c] = xf[row, b * width + c] + rf[row, b * width + c]
-                        partial[c] = partial[c] + yf[row, b * width + c]
-                    else:
-                        partial[c] = partial[c] + xf[row, b * width + c]
-            mean[0] = total(partial) / T.float32(n)
-            for c in T.vectorized(width):
-                partial[c] = T.float32(0)
-            for b in range(vectors // chains):
-                for c in T.vectorized(width):
-                    partial[c] = partial[c] + (summed(xf, yf, row, b * width + c) - mean[0]) * (summed(xf, yf, row, b * width + c) - mean[0])
-            scale[0] = T.float32(1) / T.sqrt(total(partial) / T.float32(n) + T.float32(epsilon))
-            for b in range(vectors // chains):
-                for c in T.vectorized(width):
-                    yf[row, b * width + c] = (summed(xf, yf, row, b * width + c) - mean[0]) * scale[0] * gamma[b * width + c] \
-                        + beta[b * width + c]
-                    if bf16_copy:
-                        ybf[row, b * width + c] = T.Cast("bfloat16", yf[row, b * width + c])
-
-    if bf16_copy:
-        @T.prim_func(s_tir=True)
-        def layer_norm(x: T.Buffer((*lead, n), "float32"), r: T.Buffer(residual_shape, "float32"), gamma: T.Buffer((n,), "float32"),
-                       beta: T.Buffer((n,), "float32"), y: T.Buffer((*lead, n), "float32"), yb: T.Buffer((*lead, n), "bfloat16")):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
-            with T.sblock("root"):
-                with T.sblock("layer_norm_rows"):
-                    T.reads(whole(x), whole(r), whole(gamma), whole(beta))
-                    T.writes(whole(y), whole(yb))
-                    rows_of(x, r, gamma, beta, y, yb)
-    else:
-        @T.prim_func(s_tir=True)
-        def layer_norm(x: T.Buffer((*lead, n), "float32"), r: T.Buffer(residual_shape, "float32"), gamma: T.Buffer((n,), "float32"),
-                       beta: T.Buffer((n,), "float32"), y: T.Buffer((*lead, n), "float32")):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
-            with T.sblock("root"):
-                with T.sblock("layer_norm_rows"):
-                    T.reads(whole(x), whole(r), whole(gamma), whole(beta))
-                    T.writes(whole(y))
-                    rows_of(x, r, gamma, beta, y, y)
+    @T.prim_func(s_tir=True)
+    def layer_norm(x: T.Buffer((*lead, n), "float32"), r: T.Buffer(residual_shape, "float32"), gamma: T.Buffer((n,), "float32"),
+                   beta: T.Buffer((n,), "float32"), y: T.Buffer((*lead, n), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
+        with T.sblock("root"):
+            with T.sblock("layer_norm_rows"):
+                T.reads(whole(x), whole(r), whole(gamma), whole(beta))
+                T.writes(whole(y))
+                xf = T.decl_buffer((rows, n), "float32", data=x.data)
+                rf = T.decl_buffer((rows, n) if residual else (1,), "float32", data=r.data)
+                yf = T.decl_buffer((rows, n), "float32", data=y.data)
+                for row in T.parallel(rows):
+                    # in scope "global", under fma.STACK_BYTES: on the stack (a "local" buffer would
+                    # be a heap workspace, allocated and freed for every row)
+                    partial = T.alloc_buffer((width,), "float32")
+                    mean = T.alloc_buffer((1,), "float32")
+                    scale = T.alloc_buffer((1,), "float32")
+                    for c in T.vectorized(width):
+                        partial[c] = T.float32(0)
+                    for b in range(vectors // chains):
+                        for c in T.vectorized(width):
+                            if residual:
+                                yf[row, b * width + c] = xf[row, b * width + c] + rf[row, b * width + c]
+                                partial[c] = partial[c] + yf[row, b * width + c]
+                            else:
+                                partial[c] = partial[c] + xf[row, b * width + c]
+                    mean[0] = total(partial) / T.float32(n)
+                    for c in T.vectorized(width):
+                        partial[c] = T.float32(0)
+                    for b in range(vectors // chains):
+                        for c in T.vectorized(width):
+                            partial[c] = partial[c] + (summed(xf, yf, row, b * width + c) - mean[0]) * (summed(xf, yf, row, b * width + c) - mean[0])
+                    scale[0] = T.float32(1) / T.sqrt(total(partial) / T.float32(n) + T.float32(epsilon))
+                    for b in range(vectors // chains):
+                        for c in T.vectorized(width):
+                            yf[row, b * width + c] = (summed(xf, yf, row, b * width + c) - mean[0]) * scale[0] * gamma[b * width + c] \
+                                + beta[b * width + c]
 
     assert isinstance(layer_norm, tvm.tirx.PrimFunc)
     return layer_norm

@@ -12,12 +12,10 @@ def layer_norm_rewrite(lanes: int, min_rows: int):
     kernel takes (``min_rows``), becomes one call of the kernel, together with the residual
     add before it where nothing else uses the sum (it runs before ``fma-fp32``, whose kernel
     would otherwise add the residual as it stores, at a higher cost than here, where the row is
-    read anyway: CHANGELOG.md, 2026-11-22). Where a cast to bf16 reads its rows (through
-    reshapes: a bf16 build's next projection), the kernel writes them in bf16 too, and the cast
-    reads those (no kernel of its own over the rows)."""
+    read anyway: CHANGELOG.md, 2026-11-22)."""
     from tvm import relax
 
-    from tvmbert.ir.dataflow import cast_through_reshapes, dataflow, readers, row_count, static_shape, unread
+    from tvmbert.ir.dataflow import dataflow, row_count, static_shape, unread
     from tvmbert.passes.rewriters import function_pass
 
     def sizes(call):
@@ -41,7 +39,6 @@ def layer_norm_rewrite(lanes: int, min_rows: int):
             super().__init__(module)
             self.kernels = {}
             self.residual_sums, self.folded = {}, set()
-            self.cast_of, self.bf16_rows = {}, {}
 
         def start(self, function):
             """Which layer norms take the residual add before them (``add(x, r)``, both of the
@@ -58,49 +55,28 @@ def layer_norm_rewrite(lanes: int, min_rows: int):
                                                          for arg in add.args)):
                     self.residual_sums[binding.var] = tuple(add.args)
                     self.folded.add(total)
-            # a layer norm -> the cast to bf16 its rows reach (whose var then reads the kernel's bf16 rows)
-            read_by = readers(bindings)
-            self.cast_of, self.bf16_rows = {}, {}
-            for binding in bindings:
-                if isinstance(binding.value, relax.Call) and sizes(binding.value) is not None:
-                    casts = [cast for reader in read_by.get(binding.var, [])
-                             if (cast := cast_through_reshapes(reader, values, uses, read_by, "bfloat16")) is not None]
-                    if casts:
-                        self.cast_of[binding.var] = casts[0]
-            self.casts = {cast: norm for norm, cast in self.cast_of.items()}
 
-        def kernel_for(self, lead, n: int, epsilon: float, residual: bool, bf16_copy: bool = False):
-            key = (lead, n, epsilon, residual, bf16_copy)
+        def kernel_for(self, lead, n: int, epsilon: float, residual: bool):
+            key = (lead, n, epsilon, residual)
             if key not in self.kernels:
-                function = kernel(row_count(lead), n, lanes, epsilon, lead, residual, bf16_copy)
-                name = "layer_norm_" + "x".join(str(d) for d in (*lead, n)) + ("_residual" if residual else "") \
-                    + ("_and_bfloat16" if bf16_copy else "")
+                function = kernel(row_count(lead), n, lanes, epsilon, lead, residual)
+                name = "layer_norm_" + "x".join(str(d) for d in (*lead, n)) + ("_residual" if residual else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]
 
         def visit_var_binding_(self, binding):
             if binding.var in self.folded:
                 return  # the sum is the kernel's
-            if binding.var in self.casts:  # reads the kernel's bf16 rows
-                self.set_var_remap(binding.var, self.builder_.emit(
-                    relax.op.reshape(self.bf16_rows[self.casts[binding.var]], binding.var.ty.shape)))
-                return
-            if binding.var not in self.residual_sums and binding.var not in self.cast_of:
+            if binding.var not in self.residual_sums:
                 super().visit_var_binding_(binding)
                 return
             call = binding.value
             lead, n = sizes(call)
-            residual = binding.var in self.residual_sums
-            x, r = (self.visit_expr(arg) for arg in self.residual_sums[binding.var]) if residual else (self.visit_expr(call.args[0]), unread())
+            x, r = (self.visit_expr(arg) for arg in self.residual_sums[binding.var])
             gamma, beta = (self.visit_expr(arg) for arg in call.args[1:])
-            copy = binding.var in self.cast_of
-            rows = relax.TensorType((*lead, n), "float32")
-            result = self.builder_.emit(relax.call_tir(self.kernel_for(lead, n, float(call.attrs.epsilon), residual, copy), [x, r, gamma, beta],
-                                                       [rows, relax.TensorType((*lead, n), "bfloat16")] if copy else rows))
-            if copy:
-                self.bf16_rows[binding.var] = self.builder_.emit(relax.TupleGetItem(result, 1))
-                result = self.builder_.emit(relax.TupleGetItem(result, 0))
-            self.set_var_remap(binding.var, result)
+            result = relax.call_tir(self.kernel_for(lead, n, float(call.attrs.epsilon), True), [x, r, gamma, beta],
+                                    relax.TensorType((*lead, n), "float32"))
+            self.set_var_remap(binding.var, self.builder_.emit(result))
 
         def visit_call_(self, call):
             call = super().visit_call_(call)
