@@ -759,6 +759,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
 
     parts = 1 if bf16_scores else 2  # of Q and K in bf16: a part, and with three products a rest
     pairs = lanes // 2
+
     @T.macro
     def zero_block():
         for tile in T.unroll(4):
@@ -807,7 +808,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                     if not bf16_scores:
                         ql[s, T.Ramp(d0 * lanes, 1, lanes)] = _bf16_rest_bits(grid.head_row(q, rows, 0, bh, s, d0, T.Ramp(0, 1, lanes)), lanes)
                         kr[1, s, T.Ramp(d0 * pairs, 1, pairs)] = T.reinterpret(
-                        f"uint32x{pairs}", _bf16_rest_bits(grid.head_row(k, rows, 1, bh, s, d0, T.Ramp(0, 1, lanes)), lanes))
+                            f"uint32x{pairs}", _bf16_rest_bits(grid.head_row(k, rows, 1, bh, s, d0, T.Ramp(0, 1, lanes)), lanes))
             for s2 in range(seq // 2):
                 for d0 in range(dim // lanes):
                     vb[s2, T.Ramp(d0 * lanes, 1, lanes)] = _pairs(
