@@ -43,6 +43,9 @@ def test_mattr_takes_one_feature_or_a_list_and_the_kernels_follow_it():
     assert amx.has_amx_int8 and not without_amx.has_amx_int8 and without_amx.int8_instruction == "vpdpbusd"
     assert without_vnni.int8_instruction == "vpmaddubsw" and not without_vnni.has_amx_int8
     assert not targets.resolve("llvm -mcpu=skylake-avx512 -mattr=+amx-int8").has_amx_int8  # AMX's rows are VNNI's
+    # the AMX attention kernel rounds to bf16 by vcvtneps2bf16: every AMX CPU has AVX512-BF16, a target without it is refused
+    assert targets.resolve("llvm -mcpu=sapphirerapids").has_amx_bf16
+    assert not targets.resolve("llvm -mcpu=sapphirerapids -mattr=-avx512bf16").has_amx_bf16
     for typo in ("-amx-int", "amx-int8", "", "+avx2,+notafeature"):  # LLVM would ignore them, with a warning only
         with pytest.raises(InputError, match="-mattr names no feature LLVM knows"):
             targets.resolve(f"llvm -mcpu=sapphirerapids -mattr={typo}")

@@ -143,10 +143,11 @@ class TargetSpec:
 
     @cached_property
     def has_amx_bf16(self) -> bool:
-        """AMX-BF16 beside AVX-512, as on every CPU that has AMX: the kernels around the tiles
-        (attention, layer norm, the epilogues) are built and tested for AVX-512's vectors with it,
-        never for a VM that hides AVX-512 and shows AMX."""
-        return self.has_features(AMX_BF16, "avx512f")
+        """AMX-BF16 beside AVX-512 and AVX512-BF16, as on every CPU that has AMX: the kernels
+        around the tiles (attention, layer norm, the epilogues) are built and tested for AVX-512's
+        vectors with it (the attention kernel rounds to bf16 by ``vcvtneps2bf16``), never for a VM
+        that hides AVX-512 and shows AMX."""
+        return self.has_features(AMX_BF16, "avx512f", "avx512bf16")
 
     @cached_property
     def has_amx_int8(self) -> bool:
@@ -157,7 +158,7 @@ class TargetSpec:
 
     def no_amx_message(self) -> str:
         why = f" usable here ({AMX_NOT_GRANTED})" if self.amx_withheld else ""
-        return (f"--dtype bfloat16 needs a CPU with AMX-BF16 and AVX-512 (Intel Sapphire Rapids or later), and target '{self.key}' "
+        return (f"--dtype bfloat16 needs a CPU with AMX-BF16 and AVX-512 with AVX512-BF16 (Intel Sapphire Rapids or later), and target '{self.key}' "
                 f"has none{why}: without it TVM's bf16 kernels convert every value to fp32 in their inner loops and run "
                 f"slower than --dtype float32 (AVX512-BF16 alone measured slower than fp32 too). Use --dtype float32, "
                 f"or --dtype float16 for half the weight bytes")

@@ -733,7 +733,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
     softmax in fp32, as in ``kernel``.
 
     Per (sequence, head): Q and the probabilities as bf16 rows (row tiles, 32 values a row), K
-    and V as AMX's pairs (``Wp[K/2, N, 2]``: K^T's through 16 x 16 blocks in registers, V's by
+    and V as AMX's pairs (``Wp[K/2, N, 2]``: K^T's by hardware gathers of K's bf16 rows, V's by
     interleaving pairs of rows), then 32 x 32 blocks of four accumulator tiles (tmm0-3), row
     tiles in tmm4-5 and pair tiles in tmm6-7, as ``amx.bf16_kernel``. Scores, softmax and P V go
     32 query rows at a time, as the fp32 kernel's blocks do: a whole head's scores and

@@ -146,7 +146,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
                 batch, heads, seq, dim = self.found[product].shape
                 if not amx_bf16_fits(seq, dim, lanes) or uses.get(product) != 1 or uses.get(view) != 1:
                     continue
-                if (cast := cast_through_reshapes(read_by[view][0], values, uses, read_by, "bfloat16")) is not None:
+                if view in read_by and (cast := cast_through_reshapes(read_by[view][0], values, uses, read_by, "bfloat16")) is not None:
                     casts[product] = cast
             return casts
 
