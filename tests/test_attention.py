@@ -251,6 +251,36 @@ def test_only_a_heads_operands_and_scores_take_the_heap(lanes):
 
 
 @pytest.mark.amx
+@pytest.mark.parametrize("bf16_scores", [False, True])
+def test_a_windowed_amx_kernel_matches_float64_within_bf16(bf16_scores):
+    """ModernBERT's local layers on tiles: only the key blocks near the window are scored, and a key
+    beyond it, or padding, weighs 2^-125 of its row (the exp's floor: float64's exact 0 by any
+    measure of fp32), against float64 with P and V in bf16 as the kernel's P V takes them."""
+    import tvm
+
+    batch, heads, seq, dim, window = 1, 2, 256, 64, 64
+    rng = np.random.default_rng(8)
+    columns = rng.standard_normal((seq, 3 * heads * dim), dtype=np.float32)
+    sources = [(3 * heads * dim, i * heads * dim) for i in range(3)]
+    padding = np.zeros((batch, 1, 1, seq), np.float32)
+    padding[..., -20:] = MASKED
+    function = attention.amx_bf16_kernel(batch, heads, seq, dim, 16, sources, padding.shape, 0.125, window=window,
+                                         bf16_scores=bf16_scores)
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, padding, np.zeros(1, "int32"))), y)
+    q, k, v = (_heads(columns, batch, seq, heads, dim, offset) for _, offset in sources)
+    if bf16_scores:
+        q, k = _bf16(q), _bf16(k)
+    positions = np.arange(seq)
+    mask = np.where(np.abs(positions[:, None] - positions[None, :]) <= window, padding[0, 0], MASKED)
+    scores = q.astype(np.float64) @ k.astype(np.float64).transpose(0, 1, 3, 2) * 0.125 + mask
+    weights = _bf16(np.exp(scores - scores.max(-1, keepdims=True))).astype(np.float64)
+    expected = weights @ _bf16(v) / weights.sum(-1, keepdims=True)
+    np.testing.assert_allclose(y.numpy(), expected.transpose(0, 2, 1, 3), atol=2 ** -8 * np.abs(v).max(), rtol=0)
+
+
+@pytest.mark.amx
 def test_the_amx_kernel_writing_bf16_rounds_what_it_would_write_in_fp32():
     """A bf16 build's attention writes its result in bf16 for the output projection (no cast
     kernel after it): each value its fp32 result rounded half to even, nothing else changed."""
