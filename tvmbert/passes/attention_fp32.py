@@ -133,7 +133,13 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             self.values = flow[1]
             self.found.update(rotated)
             self.results, self.panels, self.padding_masks, self.tables = {}, {}, {}, {}
-            self.bf16_results = self.casts_to_bf16(flow) if amx_bf16 else {}
+            self.bf16_results = self.casts_to_bf16(flow)
+
+        @staticmethod
+        def on_amx(found: Attention) -> bool:
+            """Whether the attention runs on the AMX kernel (its tiles fit the head)."""
+            _, _, seq, dim = found.shape
+            return amx_bf16 and amx_bf16_fits(seq, dim, lanes)
 
         def casts_to_bf16(self, flow) -> dict:
             """The attentions on AMX whose result only a cast to bf16 reads (through reshapes to
@@ -143,8 +149,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             read_by = readers(bindings)
             casts = {}
             for view, product in self.outputs.items():
-                batch, heads, seq, dim = self.found[product].shape
-                if not amx_bf16_fits(seq, dim, lanes) or uses.get(product) != 1 or uses.get(view) != 1:
+                if not self.on_amx(self.found[product]) or uses.get(product) != 1 or uses.get(view) != 1:
                     continue
                 if view in read_by and (cast := cast_through_reshapes(read_by[view][0], values, uses, read_by, "bfloat16")) is not None:
                     casts[product] = cast
@@ -242,7 +247,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
                         operands.append(self.panel_major(source))
                         continue
                     operands.append(row_major(self.builder_, self.visit_expr(source), head_major, operand_rows, columns))
-                on_amx = amx_bf16 and amx_bf16_fits(seq, dim, lanes)
+                on_amx = self.on_amx(found)
                 mask = mask_operand(self.builder_, found, self.visit_expr, self.padding_masks, positions_read=bool(found.positions))
                 rows = self.visit_expr(found.rows) if found.rows is not None else unread("int32")
                 positions, position_operands = self.position_operands(found.positions, batch, seq, not on_amx)
