@@ -73,7 +73,10 @@ def main() -> None:
     ratios = []
     for order in ("new-first", "old-first"):
         command = [sys.executable, *sys.argv, "--order", order]
-        line = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:  # its own one line (a folder with no build), or the last of a traceback
+            sys.exit((done.stderr.strip().splitlines() or [f"error: {order} run failed ({done.returncode})"])[-1])
+        line = done.stdout.strip().splitlines()[-1]
         print(line, flush=True)
         ratios.append(float(line.rsplit(" ", 1)[-1]))
     print(f"new / old, both orders: {math.sqrt(ratios[0] * ratios[1]):.3f}")
