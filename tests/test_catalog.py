@@ -134,6 +134,21 @@ def test_compact_keeps_the_best_records_and_builds_choose_the_same(tvmbert, tune
     assert again.code == 0 and again.json["new_trials"] == 0
 
 
+def test_compact_leaves_a_compact_file_it_cannot_read_whole(tvmbert, tuned, tmp_path):
+    """Rewriting the shipped file from what was read would drop the records of its unreadable
+    lines (a CUDA process without the WMMA intrinsics read none): compact refuses, saying why."""
+    logs = tmp_path / "logs"
+    shutil.copytree(tuned, logs)
+    tvmbert("compact", "--log-dir", str(logs), "--json", workdir_arg=False)
+    shipped = logs / HOST / record_files.COMPACT_FILE
+    lines = gzip.decompress(shipped.read_bytes()).decode().splitlines()
+    shipped.write_bytes(gzip.compress(("\n".join([lines[0][:-40], *lines[1:]]) + "\n").encode()))  # its first line torn
+    before = shipped.read_bytes()
+    refused = tvmbert("compact", "--log-dir", str(logs), "--json", workdir_arg=False)
+    assert refused.code == 1 and "could not be read" in refused.stderr and "left as it is" in refused.stderr
+    assert shipped.read_bytes() == before
+
+
 @pytest.mark.slow
 def test_records_are_checked_against_their_workload(tvmbert, tuned, tmp_path):
     logs = tmp_path / "logs"

@@ -24,8 +24,8 @@ from tvmbert.ir.files import load_module
 from tvmbert.ir.tasks import extract_tasks, inference_module
 from tvmbert.stages.job import Job
 from tvmbert.stages.optimize import optimize
-from tvmbert.tuning import measure
-from tvmbert.tuning.compile import register_tensor_intrinsics
+from tvmbert.tuning import measure, record_files
+from tvmbert.tuning.intrinsics import register_tensor_intrinsics
 
 GPU_TARGETS = ("cuda -arch=sm_80", "cuda -arch=sm_90", "rocm -mcpu=gfx90a")
 SAMPLES = 4  # candidates sampled a task (seeded): the design spaces' own decisions can exceed shared memory
@@ -35,7 +35,7 @@ SWEEP = os.environ.get("TVMBERT_GPU_SWEEP") == "1"
 
 
 def candidates(job: Job, tasks):
-    """Per task: its design spaces and up to SAMPLES candidates that pass the postprocessors."""
+    """Per task: its design spaces and up to SAMPLES candidates (schedules) that pass the postprocessors."""
     from tvm.s_tir import meta_schedule as ms
 
     target = job.target.tvm_target()
@@ -47,7 +47,7 @@ def candidates(job: Job, tasks):
         context.pre_tuning(max_trials=SAMPLES, num_trials_per_iter=SAMPLES, design_spaces=spaces)
         drawn = context.search_strategy.generate_measure_candidates() or []
         context.post_tuning()
-        sampled[task.name] = (spaces, [candidate.sch.mod for candidate in drawn])
+        sampled[task.name] = (spaces, [candidate.sch for candidate in drawn])
     return sampled
 
 
@@ -65,7 +65,7 @@ def test_every_bert_base_fp16_task_tunes_on_gpu_targets(target, workdir):
         job.target.check_toolchain()
     except ToolchainError as missing:
         pytest.skip(f"no {job.target.kind} toolchain on this machine: {missing}")
-    register_tensor_intrinsics(job.target)
+    register_tensor_intrinsics(job.target.kind)
     module = inference_module(load_module(job.upstream("optimize", optimize).path), job.target)
     tasks = [task for task in extract_tasks(module, job.target) if not task.trivial]
     sampled = candidates(job, tasks)
@@ -80,10 +80,58 @@ def test_every_bert_base_fp16_task_tunes_on_gpu_targets(target, workdir):
     builder = measure.make_builder(workers=2)
     try:
         errors = {task.name: [result.error_msg.splitlines()[-1] for result in builder.build(
-            [ms.builder.BuilderInput(mod, job.target.tvm_target()) for mod in sampled[task.name][1]]) if result.error_msg]
+            [ms.builder.BuilderInput(sch.mod, job.target.tvm_target()) for sch in sampled[task.name][1]]) if result.error_msg]
             for task in built}
     finally:
         builder.shutdown()
     failed = {name: errs for name, errs in errors.items()
               if len(errs) == len(sampled[name][1]) and not ("matmul" in name and all(KNOWN_TVM_FAILURE in e for e in errs))}
     assert not failed, failed
+
+
+def test_a_tensor_core_record_reads_back_in_a_fresh_process_and_compacts(workdir, tmp_path):
+    """A CUDA record's trace names the WMMA intrinsics it tensorizes with; a process that had not
+    registered them (a build or `compact` after a tune) skipped every such record as unreadable:
+    an H200's tune kept nothing. Opening a database registers its target kind's intrinsics first."""
+    import json
+    import subprocess
+    import sys
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvmbert.tuning import database
+
+    job = Job(JobConfig(model="bert-tiny", dtype="float16", target="cuda -arch=sm_90", workdir=str(workdir)), say=lambda line: None)
+    register_tensor_intrinsics(job.target.kind)
+    module = inference_module(load_module(job.upstream("optimize", optimize).path), job.target)
+    matmul = max((task for task in extract_tasks(module, job.target) if "matmul" in task.name), key=lambda task: task.cost)
+    _, drawn = candidates(job, [matmul])[matmul.name]
+    tensorized = [sch.trace for sch in drawn if "wmma_fill" in str(sch.trace)]
+    assert tensorized, "no candidate of the matmul is tensorized"
+    log_dir = tmp_path / "logs" / job.target.key
+    log_dir.mkdir(parents=True)
+    records = database.open_database(log_dir)
+    workload = records.commit_workload(matmul.module)
+    records.commit_tuning_record(ms.database.TuningRecord(tensorized[0], workload, [1e-5], job.target.tvm_target(),
+                                                          ms.arg_info.ArgInfo.from_prim_func(matmul.module["main"])))
+    read_back = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from tvmbert.tuning import database\n"
+        "records = database.open_database(Path(sys.argv[1]), warn=lambda message: None)\n"
+        "print(json.dumps([len(records.get_all_tuning_records()), records.problems]))\n"
+    )
+
+    def fresh_read():
+        done = subprocess.run([sys.executable, "-c", read_back, str(log_dir)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    assert fresh_read() == [1, []]
+    compacted = subprocess.run([sys.executable, "-m", "tvmbert", "compact", "--log-dir", str(log_dir.parent), "--json"],
+                               capture_output=True, text=True, timeout=300)
+    assert compacted.returncode == 0, compacted.stderr[-2000:]
+    assert json.loads(compacted.stdout)["databases"][0]["records"] == 1
+    for name in (record_files.WORKLOADS_FILE, record_files.RECORDS_FILE):
+        (log_dir / name).unlink()  # what ships: the compact file alone
+    assert fresh_read() == [1, []]

@@ -207,8 +207,8 @@ def test_a_cpu_tune_registers_the_x86_tensor_intrinsics_only():
         "import sys\n"
         "from tvm.s_tir import TensorIntrin\n"
         "from tvmbert.core.targets import resolve\n"
-        "from tvmbert.tuning.compile import register_tensor_intrinsics\n"
-        "register_tensor_intrinsics(resolve('llvm -mcpu=sapphirerapids'))\n"
+        "from tvmbert.tuning.intrinsics import register_tensor_intrinsics\n"
+        "register_tensor_intrinsics(resolve('llvm -mcpu=sapphirerapids').kind)\n"
         "import tvm.s_tir.tensor_intrin\n"  # what TuneContext imports: the package registered above, as it is
         "TensorIntrin.get('dot_16x4_vnni')\n"
         "print(sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('tvm.s_tir.tensor_intrin.')))\n"

@@ -460,6 +460,12 @@ def llvm_key(config: dict) -> str:
                 + "".join(WITH + f for f in _roots(built - named, taken_off=False)))
 
 
+def kind_of_key(key: str) -> str | None:
+    """The target kind a database key names (cuda-sm_90: cuda), None for a name that is no key."""
+    kind = key.partition("-")[0]
+    return kind if kind in KINDS else None
+
+
 def cpu_of_key(key: str) -> dict | None:
     """The llvm target a database key names (``llvm_key``'s inverse), None for other kinds."""
     kind, _, rest = key.partition("-")

@@ -3,8 +3,6 @@ inference and training for forward + backward, so it sits below both."""
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tvmbert.core.errors import StageFailed
@@ -12,10 +10,9 @@ from tvmbert.ir.tasks import entry_module, extract_tasks
 from tvmbert.tuning import database
 from tvmbert.tuning.catalog import DEFAULT, TRANSFERRED, Catalog
 from tvmbert.tuning.default_schedules import default_cpu_schedules, default_gpu_schedules
+from tvmbert.tuning.intrinsics import register_tensor_intrinsics
 
 WEIGHT_LAYOUT_ENTRY = "main_transform_params"  # weights in, weights as main takes them out
-TENSOR_INTRINSICS = "tvm.s_tir.tensor_intrin"
-_STACK_SWAP = threading.Lock()
 CUDA_GRAPH_CONFIG = "relax.backend.use_cuda_graph"
 CUDA_GRAPH_BUILTIN = "vm.builtin.cuda_graph.run_or_capture"  # what a captured forward calls in the VM
 
@@ -36,61 +33,6 @@ class TunedBuild:
     @property
     def transferred(self) -> list[str]:
         return [name for name, source in self.schedules.items() if source.startswith(TRANSFERRED)]
-
-
-def tensor_intrinsics_package_alone() -> None:
-    """``tvm.s_tir.tensor_intrin`` without its __init__, which registers every backend's intrinsics
-    by parsing their TVMScript (40 s per tuning run on 2 Zen 3 cores, 18 of them CUDA's): each
-    module is imported where it is used (register_tensor_intrinsics)."""
-    import importlib.util
-    import sys
-
-    if TENSOR_INTRINSICS not in sys.modules:
-        sys.modules[TENSOR_INTRINSICS] = importlib.util.module_from_spec(importlib.util.find_spec(TENSOR_INTRINSICS))
-
-
-def register_tensor_intrinsics(target) -> None:
-    """Registers the tensor intrinsics ``target``'s schedules may use (its kind's modules of
-    ``tvm.s_tir.tensor_intrin``), before a schedule or TuneContext imports the package."""
-    import importlib
-    import sys
-
-    from tvmbert.core.targets import KINDS
-
-    tensor_intrinsics_package_alone()
-    missing = [f"{TENSOR_INTRINSICS}.{name}" for name in KINDS[target.kind].tensor_intrinsics]
-    missing = [name for name in missing if name not in sys.modules]
-    if missing:
-        with _frames_without_source():
-            for name in missing:
-                importlib.import_module(name)
-
-
-@contextmanager
-def _frames_without_source():
-    """``inspect.stack()`` without each frame's source line. TVMScript's ``T.prim_func`` takes the
-    caller's stack to resolve names, and reads only frames, names and a class line (where there is
-    no line, it is not in a class: no intrinsic module defines one in a class). Looking a frame's
-    line up maps its file to a module, and a file that does not exist (the import system's
-    ``<frozen ...>`` frames) scans all of ``sys.modules`` each time, thousands of modules with
-    torch loaded: most of a CUDA build's time went there (CHANGELOG.md, 2026-11-27)."""
-    import inspect
-    import sys
-
-    def stack(context=1):
-        frame, frames = sys._getframe(1), []
-        while frame is not None:
-            frames.append(inspect.FrameInfo(frame, frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, None, None))
-            frame = frame.f_back
-        return frames
-
-    with _STACK_SWAP:  # two threads' swaps, interleaved, could leave this one in place for good
-        full = inspect.stack
-        inspect.stack = stack
-        try:
-            yield
-        finally:
-            inspect.stack = full
 
 
 def summary(schedules: dict[str, str]) -> str:
@@ -130,7 +72,7 @@ def compile_tuned(module, target, log_dir, say, entries: tuple[str, ...] = ("mai
             + (f"; no such folder: {', '.join(catalog.missing())}" if catalog.missing() else ""))
     tvm_target = target.tvm_target()
     if target.is_gpu:  # dlight's tensor-core rules import the intrinsics they tensorize with
-        register_tensor_intrinsics(target)
+        register_tensor_intrinsics(target.kind)
     with tvm_target:
         with records:
             module = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(module)

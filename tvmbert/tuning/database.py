@@ -14,6 +14,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from tvmbert.core.errors import StageFailed
 from tvmbert.ir.tasks import Task
 from tvmbert.tuning.record_files import (
     COMPACT_FILE,
@@ -133,6 +134,9 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
     import tvm_ffi
 
     database = open_database(log_dir, warn)
+    if database.unreadable_compact:
+        raise StageFailed(f"compact: {len(database.unreadable_compact)} line(s) of {log_dir / COMPACT_FILE} could not be read "
+                          f"(first: {database.unreadable_compact[0]}); rewriting it would drop their records, so it is left as it is")
     workloads = {int(tvm_ffi.structural_hash(record.workload.mod)): record.workload
                  for record in database.get_all_tuning_records()}
     lines, kept = [], 0

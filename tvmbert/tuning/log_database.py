@@ -10,6 +10,8 @@ from pathlib import Path
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from tvmbert.core.targets import kind_of_key
+from tvmbert.tuning.intrinsics import register_tensor_intrinsics
 from tvmbert.tuning.record_files import (
     COMPACT_FILE,
     RECORDS_FILE,
@@ -44,8 +46,11 @@ class LogDatabase(ms.database.PyDatabase):
         self.workload_lines = 0
         self.record_lines = 0
         self.problems: list[str] = []
+        self.unreadable_compact: list[str] = []  # this folder's own compact lines skipped: a rewrite would drop them
         self.seen: set = set()  # (workload hash, trace): a record the compact file and the history both hold
         self.trials: dict[int, int] = {}  # workload hash -> trials the compact file says were spent on it
+        # A folder is named by its target's key; its records' traces name that kind's tensor intrinsics.
+        register_tensor_intrinsics(kind_of_key(log_dir.name))
         superseded = superseded_workloads(log_dir)
         for folder in (log_dir, *read_also):  # a search started over here (--fresh) drops the shipped records too
             self._load_compact(folder / COMPACT_FILE, warn, superseded)
@@ -65,6 +70,8 @@ class LogDatabase(ms.database.PyDatabase):
                     self._commit_once(digest, ms.database.TuningRecord.from_json(record_json, workload), record_json)
             except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
                 self._problem(warn, path, number, exc)
+                if path.parent == self.log_dir:
+                    self.unreadable_compact.append(self.problems[-1])
 
     def _load_history(self, warn, superseded: dict[str, int]):
         workloads, digests, superseded_before = [], [], []

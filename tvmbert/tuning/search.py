@@ -20,7 +20,7 @@ from tvmbert.core.errors import Interrupted
 from tvmbert.core.targets import cpu_count
 from tvmbert.ir.tasks import Task
 from tvmbert.tuning import database, measure
-from tvmbert.tuning.compile import register_tensor_intrinsics
+from tvmbert.tuning.intrinsics import register_tensor_intrinsics
 
 TRIALS_PER_BATCH = 16  # candidates built and measured together; what an interruption can lose
 MIN_TRIALS_PER_TASK = 8  # below this a task's search has hardly started (unless --trials-per-task is lower)
@@ -116,7 +116,7 @@ class Session:
 
     def __enter__(self):
         logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
-        register_tensor_intrinsics(self.spec)
+        register_tensor_intrinsics(self.spec.kind)
         options = self.options
         self.builder = measure.make_builder(workers=cpu_count())
         cold = not self.spec.is_gpu
