@@ -162,6 +162,8 @@ def test_the_cuda_graph_peer_captures_once_and_each_call_replays_synchronized(mo
     """torch-cudagraph: the SDPA model warmed up and captured once when set up; each timed call
     replays the graph (no forward) and synchronizes; torch.compile on a GPU is max-autotune."""
     import contextlib
+    import gc
+    import weakref
 
     import torch
 
@@ -182,13 +184,18 @@ def test_the_cuda_graph_peer_captures_once_and_each_call_replays_synchronized(mo
         calls.append("capture")
         yield
 
-    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: OnDevice(calls))
+    loaded = []
+    monkeypatch.setattr(engines.models, "load", lambda *args, **kwargs: loaded.append(OnDevice(calls)) or loaded[-1])
     monkeypatch.setattr(engines, "fastest_attention", lambda job: "sdpa")  # the fake job has no model source
     for name, value in {"synchronize": lambda: calls.append("synchronize"), "CUDAGraph": Graph, "graph": capturing,
                         "Stream": Stream, "current_stream": Stream, "stream": lambda s: contextlib.nullcontext()}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     engine = engines.torch_cudagraph(GPU_JOB, [OnDevice(calls)], threads=1)
     assert calls == ["forward"] * engines.CAPTURE_WARMUP + ["capture", "forward"]
+    # The replays read the model's weights and the inputs where they were captured: both live as long as the engine.
+    model = weakref.ref(loaded.pop())
+    gc.collect()
+    assert model() is not None
     calls.clear()
     engine.run()
     engine.run()

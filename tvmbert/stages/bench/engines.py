@@ -173,6 +173,11 @@ def _captured(forward):
         cuda_graph.replay()
         return outputs
 
+    # The graph reads the buffers it was captured on, the model's weights and the inputs, which
+    # only ``forward``'s closure holds: freed with it, their memory went to other tensors, and a
+    # replay embedded whatever ids it found there (an H200's run: an index out of range, the
+    # device's assert, every later call failing).
+    replay.captured_from = forward
     return replay
 
 
