@@ -31,7 +31,8 @@
 # Limits (BUILDS_S ... set them) from the first H200 run (../shared/gpu/README.md: four builds 111 s,
 # verify 18-25 s, bench 60-75 s a call with three peers) with a margin: call 2's add up to 485 s,
 # call 3's to 310 s; the machine's start (~45 s), call 1 and the install (~30 s) fit in 15 minutes.
-# On request: verify-fp32, bench-fp32 (fp32 at 1 x 14 and 1 x 128), tests (the tests marked cuda).
+# On request: verify-fp32, bench-fp32 (fp32 at 1 x 14 and 1 x 128), tests (the tests marked cuda), memcheck
+# (compute-sanitizer over three calls of the fp16 1 x 14 build), bench-graphless (1 x 14 without the CUDA graph).
 #
 # A dry run here: every build compiles its kernels with nvcc as on the GPU (where there is no
 # driver, a stub one whose every call fails lets TVM load its CUDA runtime; without it TVM keeps
@@ -142,6 +143,16 @@ print(f"cuda graph against graph-less, capture and 2 replays: {verdict} (max abs
 sys.exit(0 if same else 1)
 '
 
+# Three calls of the fp16 1 x 14 build (the CUDA graph's capture, then replays): what memcheck watches.
+CALLS='
+import os
+from tvmbert import Job, JobConfig, build
+from tvmbert.deploy.compiled import CompiledModel
+job = Job(JobConfig(model=os.environ["MODEL"], dtype="float16", seq_len=14, target="cuda", workdir=os.environ["WORK"]))
+model, arrays = CompiledModel(build(job), job), [t.numpy() for t in job.inputs.as_tuple()]
+print([float(abs(out).max()) for _ in range(3) for out in model(arrays)])
+'
+
 run_steps() {
     OUT=${OUT:-build/gpu}
     MODEL=${MODEL:-bert-base}
@@ -164,6 +175,8 @@ run_steps() {
     run verify-fp16 || run bench-fp16-b1 && wanted+=(float16:1x14)
     run bench-fp16-b1 || run graph-check || run profile && wanted+=(float16:1x128)
     run graph-check || run profile && wanted+=(float16:1x128:nograph)
+    run memcheck && wanted+=(float16:1x14)
+    run bench-graphless && wanted+=(float16:1x14:nograph)
     run bench-fp16-b8 || run verify-fp16-b8 && wanted+=(float16:8x128)
     run bench-fp32 && wanted+=(float32:1x128)
     run builds && step builds.txt "${BUILDS_S:-150}" "$PY" -c "$BUILDS" "${wanted[@]}"
@@ -174,7 +187,11 @@ run_steps() {
     local logs=("--log-dir" "$WORK/logs")
     run verify-fp16 && step verify-fp16.json "${VERIFY_S:-30}" "${verify[@]}" --dtype float16
     run verify-fp16-b8 && step verify-fp16-b8.json "${VERIFY_B8_S:-35}" "${verify[@]}" --dtype float16 --batch 8 \
-        --seq-len 128 --texts 32
+        --seq-len 128 --samples 4
+    run memcheck && step memcheck.txt "${MEMCHECK_S:-90}" compute-sanitizer --tool memcheck --print-limit 40 --error-exitcode 1 \
+        "$PY" -c "$CALLS"
+    run bench-graphless && step bench-graphless.json "${BENCH_GRAPHLESS_S:-60}" "${bench[@]}" --dtype float16 --batch 1 --seq-len 14 \
+        --no-cuda-graph
     run graph-check && step graph-check.txt "${CHECK_S:-30}" "$PY" -c "$GRAPH_CHECK"
     run bench-fp16-b1 && step bench-fp16-b1.json "${BENCH_S:-100}" "${bench[@]}" --dtype float16 --batch 1 --seq-len 14,128
     run bench-fp16-b8 && step bench-fp16-b8.json "${BENCH_B8_S:-70}" "${bench[@]}" --dtype float16 --batch 8 --seq-len 128
