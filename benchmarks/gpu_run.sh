@@ -27,6 +27,7 @@
 #   profile.txt                 benchmarks/vm_profile.py: each kernel's time at 1 x 128 (the graph-less build, synchronized)
 #   tune.json                   tvmbert tune at 1 x 128 into $WORK/logs (stopped at its limit: the records so far are kept)
 #   records.json, tuning_logs/  the records compacted (tvmbert compact), to commit under tuning_logs/
+#   tuning_history.tar.gz       the log folder as tune wrote it (a compact that failed loses nothing)
 #   rebuild.json, bench-tuned.json  the 1 x 128 build with them (tasks tuned), timed against the peers again
 # Limits (BUILDS_S ... set them) from the first H200 run (../shared/gpu/README.md: four builds 111 s,
 # verify 18-25 s, bench 60-75 s a call with three peers) with a margin: call 2's add up to 485 s,
@@ -207,6 +208,8 @@ run_steps() {
             mkdir -p "$OUT/tuning_logs/${database##*/}" && cp "$database"/records.jsonl.gz "$database"/tasks_done.json \
                 "$OUT/tuning_logs/${database##*/}/" 2>> "$log"
         done
+        # Every measurement as tune wrote it, whatever compact made of it: the machine and its records go with the call.
+        tar -czf "$OUT/tuning_history.tar.gz" -C "$WORK" logs 2>> "$log"
     fi
     run rebuild && step rebuild.json "${REBUILD_S:-50}" "$PY" -m tvmbert build "$MODEL" --target cuda --dtype float16 --seq-len 128 \
         --workdir "$WORK" "${logs[@]}" --json
