@@ -64,7 +64,8 @@ def tune(result):
 def compact(result):
     for db in result["databases"]:
         out.print(f"compact: {db['database']}: {db['records']} of {db['records_before']} records kept "
-                  f"({db['workloads']} workloads), {db['bytes'] / 1e6:.2f} MB")
+                  f"({db['workloads']} workloads), {db['bytes'] / 1e6:.2f} MB"
+                  + (f"; {db['unread_lines_kept']} lines this TVM could not read kept as they were" if db["unread_lines_kept"] else ""))
 
 
 def ops(result):

@@ -14,7 +14,6 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from tvmbert.core.errors import StageFailed
 from tvmbert.ir.tasks import Task
 from tvmbert.tuning.record_files import (
     COMPACT_FILE,
@@ -130,13 +129,11 @@ def valid_records(database, mod) -> list:
 
 def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
     """Rewrites the shipped file from everything the folder holds: each workload's best ``top_k``
-    records that ran, with the trials spent on it. The history files are left as they are."""
+    records that ran, with the trials spent on it, and, as they were, its lines this process could
+    not read (another TVM's, say: only a damaged line is dropped). The history files are left as they are."""
     import tvm_ffi
 
     database = open_database(log_dir, warn)
-    if database.unreadable_compact:
-        raise StageFailed(f"compact: {len(database.unreadable_compact)} line(s) of {log_dir / COMPACT_FILE} could not be read "
-                          f"(first: {database.unreadable_compact[0]}); rewriting it would drop their records, so it is left as it is")
     workloads = {int(tvm_ffi.structural_hash(record.workload.mod)): record.workload
                  for record in database.get_all_tuning_records()}
     lines, kept = [], 0
@@ -148,6 +145,7 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
         kept += len(best)
         lines.append(json.dumps({"workload": f"{digest:x}", "trials": database.trials_spent(workload.mod),
                                  "mod": workload.as_json(), "records": [record_as_json(r) for r in best]}))
+    lines += database.unread_compact_lines  # never dropped for being unreadable here
     path = log_dir / COMPACT_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -158,8 +156,9 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return {"database": str(log_dir), "workloads": len(lines), "records": kept,
-            "records_before": len(database.get_all_tuning_records()), "bytes": path.stat().st_size}
+    return {"database": str(log_dir), "workloads": len(lines) - len(database.unread_compact_lines), "records": kept,
+            "records_before": len(database.get_all_tuning_records()), "unread_lines_kept": len(database.unread_compact_lines),
+            "bytes": path.stat().st_size}
 
 
 def done_keys(log_dir: Path) -> set[str]:

@@ -17,6 +17,7 @@ from tvmbert.tuning.record_files import (
     RECORDS_FILE,
     SUPERSEDED_FILE,
     WORKLOADS_FILE,
+    DamagedLine,
     block_names,
     checked_hash,
     for_module,
@@ -46,7 +47,9 @@ class LogDatabase(ms.database.PyDatabase):
         self.workload_lines = 0
         self.record_lines = 0
         self.problems: list[str] = []
-        self.unreadable_compact: list[str] = []  # this folder's own compact lines skipped: a rewrite would drop them
+        # This folder's compact lines that this process could not read, though not damaged (a trace
+        # naming an instruction or intrinsic this TVM lacks): compact carries them over as they are.
+        self.unread_compact_lines: list[str] = []
         self.seen: set = set()  # (workload hash, trace): a record the compact file and the history both hold
         self.trials: dict[int, int] = {}  # workload hash -> trials the compact file says were spent on it
         # A folder is named by its target's key; its records' traces name that kind's tensor intrinsics.
@@ -70,8 +73,9 @@ class LogDatabase(ms.database.PyDatabase):
                     self._commit_once(digest, ms.database.TuningRecord.from_json(record_json, workload), record_json)
             except Exception as exc:  # noqa: BLE001 - any unreadable line is skipped, whatever the cause
                 self._problem(warn, path, number, exc)
-                if path.parent == self.log_dir:
-                    self.unreadable_compact.append(self.problems[-1])
+                damaged = isinstance(exc, (json.JSONDecodeError, KeyError, TypeError, DamagedLine)) or number == 0
+                if path.parent == self.log_dir and not damaged:
+                    self.unread_compact_lines.append(line.rstrip("\n"))
 
     def _load_history(self, warn, superseded: dict[str, int]):
         workloads, digests, superseded_before = [], [], []

@@ -54,13 +54,17 @@ def lines(path: Path):
         yield 0, f"<{path.name} is damaged: {exc}>"
 
 
+class DamagedLine(ValueError):
+    """A line that no process can read as what it says it is (its IR is not its workload)."""
+
+
 def checked_hash(mod, expected: str) -> int:
     """The workload's structural hash, which must be the one its records were measured on."""
     import tvm_ffi
 
     digest = int(tvm_ffi.structural_hash(mod))
     if f"{digest:x}" != expected:
-        raise ValueError(f"workload {expected} reads back as {digest:x}: not its records")
+        raise DamagedLine(f"workload {expected} reads back as {digest:x}: not its records")
     return digest
 
 
