@@ -145,6 +145,7 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
         kept += len(best)
         lines.append(json.dumps({"workload": f"{digest:x}", "trials": database.trials_spent(workload.mod),
                                  "mod": workload.as_json(), "records": [record_as_json(r) for r in best]}))
+    workloads_kept = len(lines)
     lines += database.unread_compact_lines  # never dropped for being unreadable here
     path = log_dir / COMPACT_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -156,7 +157,7 @@ def compact(log_dir: Path, top_k: int = COMPACT_TOP_K, warn=None) -> dict:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return {"database": str(log_dir), "workloads": len(lines) - len(database.unread_compact_lines), "records": kept,
+    return {"database": str(log_dir), "workloads": workloads_kept, "records": kept,
             "records_before": len(database.get_all_tuning_records()), "unread_lines_kept": len(database.unread_compact_lines),
             "bytes": path.stat().st_size}
 
