@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import platform
 
 from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.config import torch_dtype
-from tvmbert.core.errors import StageFailed
+from tvmbert.core.errors import InputError, StageFailed
 from tvmbert.deploy import packing
 from tvmbert.frontend import models
 from tvmbert.frontend.packed_attention import load_packed
@@ -57,10 +59,10 @@ def trace(job: Job, force: bool = False) -> Artifact:
     job.say(f"trace: exporting {job.source.name} ({batch} x {seq_len}{packed}, {job.config.dtype}) with torch.export")
     model = model or models.load(job.source, torch_dtype(job.config.dtype), job.config.seed)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _fake_tensor_log_quiet():
             program = torch.export.export(model, tuple(inputs.values()))
     except Exception as exc:
-        raise StageFailed(f"torch.export failed for {job.source.name}: {str(exc).splitlines()[0]}") from exc
+        raise _export_failure(job.source.name, model, inputs, exc) from exc
     if model.random_weights:  # --allow-random-weights: every later artifact and report carries them
         meta["random_weights"] = list(model.random_weights)
     meta["outputs"] = [
@@ -74,6 +76,33 @@ def trace(job: Job, force: bool = False) -> Artifact:
         (tmp / PROGRAM_FILE).write_bytes(program_bytes.getbuffer())
         artifacts.write_json(tmp / "inputs.json", {n: t.tolist() for n, t in inputs.items()})
     return stage.written(meta)
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet():
+    """torch logs a traceback of its own for an op that fails while exporting, before raising;
+    the error we raise from it says what happened in one line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _export_failure(name: str, model, inputs: dict, exc: Exception) -> Exception:
+    """Bad input when transformers' own model fails on the example too (a config.json whose sizes
+    its modules cannot run, e.g. a pooler narrower than the hidden states); export's failure else."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            model(*inputs.values())
+    except Exception as eager:  # noqa: BLE001 - whatever the model's own code raises
+        return InputError(f"'{name}': transformers' own {type(model.model).__name__} fails on it, before any compiling "
+                          f"({str(eager).splitlines()[0]}): its config.json describes a model transformers cannot run")
+    return StageFailed(f"torch.export failed for {name}: {str(exc).splitlines()[0]}")
 
 
 def packed_example(job: Job, positions: dict) -> dict:
