@@ -170,6 +170,17 @@ def test_bench_checks_every_engine_on_each_family(tvmbert, saved, tmp_path, mode
                for name in ("tvm", "torch-eager", "torch-sdpa", "onnxruntime")), engines
 
 
+def test_bench_says_why_a_family_without_sdpa_has_no_torch_sdpa_row(tvmbert, saved, tmp_path):
+    """DeBERTa-v2 has no SDPA attention in transformers: torch-sdpa is skipped with that reason,
+    not with transformers' error from loading it."""
+    outcome = tvmbert("bench", saved["DebertaV2ForQuestionAnswering"], "--engines", "torch-sdpa", "--repeat", "1",
+                      "--min-time", "0", "--warmup", "0", "--log-dir", str(tmp_path), "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert outcome.json["engines"]["torch-sdpa"] == {
+        "skipped": "transformers has no SDPA attention for DebertaV2ForQuestionAnswering (torch-eager and torch-compile "
+                   "time the attention it has)"}
+
+
 def test_records_of_an_equal_kernel_of_another_model_apply(tvmbert, tuned_schedules):
     """ALBERT's layer norms are bert-tiny's, structurally, but their blocks are named after other
     Relax variables (lv89_sum, not lv14_sum): the records' traces are renamed, not replayed blind."""

@@ -366,11 +366,14 @@ def _openvino_array(openvino, tensor) -> np.ndarray:
     return np.array(tensor.data)
 
 
-def _available(name: str) -> str | None:
-    """Why an engine cannot run here, or None."""
+def why_unavailable(name: str, job: Job) -> str | None:
+    """Why an engine cannot run here, or on this model, or None."""
     missing = [m for m in registry.ENGINES[name].requires if importlib.util.find_spec(m) is None]
     if missing:
         return f"not installed ({', '.join(missing)}): pip install 'tvmbert[peers]'"
+    if name == "torch-sdpa" and fastest_attention(job) != "sdpa":
+        return (f"transformers has no SDPA attention for {models.model_class(job.source).__name__} "
+                "(torch-eager and torch-compile time the attention it has)")
     return None
 
 

@@ -18,7 +18,6 @@ from tvmbert.stages.bench.engines import (
     IN_PEER_DTYPE,
     QUANTIZED_PEERS,
     Incomparable,
-    _available,
     _check,
     _make,
     check_engines,
@@ -26,6 +25,7 @@ from tvmbert.stages.bench.engines import (
     default_engines,
     peer_dtype,
     reference,
+    why_unavailable,
 )
 from tvmbert.stages.bench.timing import _ratios, _summary, environment, left_out_of_ratio, measure, set_threads
 from tvmbert.stages.build import build
@@ -63,7 +63,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
     built = job.upstream("build", build)  # built (or found) first: memory_mb and setup_s are about running it
     per_token = [output["name"] in TASKS[job.source.task].per_token for output in built.meta["outputs"]]
     for name in engine_names:
-        reason = _available(name)
+        reason = why_unavailable(name, job)
         if reason is None and name == "tvm":
             engines.append(_make(name, job, inputs, threads))  # the subject: its failures are errors
             continue

@@ -21,7 +21,7 @@ from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
 from tvmbert.deploy.package import load
 from tvmbert.frontend import models
-from tvmbert.stages.bench.engines import CHECK_TOLERANCE, onnx_session
+from tvmbert.stages.bench.engines import CHECK_TOLERANCE, onnx_session, why_unavailable
 from tvmbert.stages.bench.timing import environment, set_threads
 from tvmbert.stages.export import DEFAULT_SEQ_LENS, export
 from tvmbert.stages.job import Job
@@ -117,6 +117,10 @@ def _engines(job: Job, names, requests, batch: int, seq_lens, threads: int) -> t
 
     runs, setup, skipped = {}, {}, {}
     for name in names:
+        if name != "tvm" and (reason := why_unavailable(name, job)):
+            skipped[name] = reason
+            job.say(f"bench: {name} skipped: {reason}")
+            continue
         started = time.perf_counter()
         try:
             if name == "tvm":
