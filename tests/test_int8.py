@@ -216,6 +216,22 @@ def test_amx_int8_kernel_sums_exactly_what_numpy_sums(lead, n, k, activation, re
     check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, amx.TILE, rows)
 
 
+@pytest.mark.simd
+@pytest.mark.parametrize("instruction", sorted({"vpmaddubsw", HOST_TARGET.int8_instruction}))
+@pytest.mark.parametrize("activated_half", [0, 1])
+def test_a_gated_activation_runs_in_the_vector_kernel_that_writes_half_the_columns(instruction, activated_half):
+    """GeGLU without AMX: each panel's columns half activated, half their gates, quantized so, and
+    the VNNI or vpmaddubsw kernel writes gelu(activated) x gate."""
+    from tvmbert.passes.int8_matmuls import int8_matmuls
+
+    lead, n, k = (2, 11), 256, 64  # 22 rows: a last tile smaller than the others; AVX-512: 4 panels of 32 and their 32 gates
+    kernels, main, y, expected = glu_through(int8_matmuls(HOST_TARGET.int8_lanes, instruction), lead, n, k, activated_half, 4)
+    assert sorted(kernels) == [f"int8_matmul_{lead[0]}x{lead[1]}x{n}x{k}_gelu_gated", f"int8_quantize_rows_{lead[0]}x{lead[1]}x{k}"]
+    assert "R.split" not in main and "R.nn.gelu" not in main
+    # int8's error, a few percent of the largest; a column paired with another's gate would be off by the whole value
+    assert y.shape == expected.shape and np.abs(y - expected).max() <= 0.03 * np.abs(expected).max()
+
+
 @pytest.mark.amx_int8
 @pytest.mark.parametrize("activated_half", [0, 1])
 def test_a_gated_activation_on_amx_runs_in_the_kernel_that_writes_half_the_columns(activated_half):

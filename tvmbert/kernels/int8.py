@@ -50,7 +50,7 @@ DEPTH = 4  # k values a lane per dot product
 AMX_INSTRUCTION = "tdpbusd"  # AMX-INT8's tile dot product (kernels/amx.int8_kernel): vpdpbusd's operands, 16 x 16 lanes at once
 
 
-def tile(n: int, lanes: int) -> tuple[int, int] | None:
+def tile(n: int, lanes: int, gated: bool = False) -> tuple[int, int] | None:
     """(rows, vectors) of the int32 accumulator tile for N columns and the target's int32 lanes,
     or None where N is not a multiple of the lanes. Without VNNI each product needs a register of
     its own before it is added (``vpmaddubsw``, ``vpmaddwd`` by a register of ones, ``vpaddd``),
@@ -58,9 +58,11 @@ def tile(n: int, lanes: int) -> tuple[int, int] | None:
     (4 x 3, as the FMA kernel runs, spills; 3 x 3 beat the other tiles that fit at 128 rows on Zen
     3, and one tile serves every row count: CHANGELOG.md, 2026-11-25). ``vpdpbusd`` adds in place and
     takes the same tiles (a register to spare; other tiles not tried: docs/benchmarks.md, int8 on
-    Emerald Rapids)."""
+    Emerald Rapids). ``gated``: an even number of vectors, half of them the activated columns and
+    half their gates (as ``fma.tile``)."""
     shapes = ((6, 4), (8, 3), (8, 2), (8, 1)) if lanes >= 16 else ((3, 3), (3, 2), (3, 1))
-    return next(((rows, vectors) for rows, vectors in shapes if n % (vectors * lanes) == 0), None)
+    return next(((rows, vectors) for rows, vectors in shapes
+                 if n % (vectors * lanes) == 0 and (not gated or vectors % 2 == 0)), None)
 
 
 def fits(n: int, k: int, lanes: int) -> bool:
@@ -129,20 +131,26 @@ def dequantized(total, row_scale, column_scale, bias):
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, *, dot: DotProduct, block_rows: int | None = None):
+           residual: bool = False, *, dot: DotProduct, block_rows: int | None = None, gated: bool = False):
     """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
     with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
     out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of
     ``lead``) any row count; without ``residual``, r is one unread float. The rows go a block at a
-    time, in ``fma.row_blocks``' blocks (not yet measured with fma.kernel's two blocks shared out)."""
+    time, in ``fma.row_blocks``' blocks (not yet measured with fma.kernel's two blocks shared out).
+    ``gated`` (a GLU: ModernBERT's GeGLU) writes ``y[*lead, n / 2] = act(first half) * second
+    half`` of each panel's columns, as ``fma.kernel`` does: Wq's columns (and sw, c0, b) in
+    ``kernel_calls.gates_beside_inputs``' order, half a panel's width at a time."""
     import tvm
     from tvm.script import tirx as T
 
+    assert not (gated and (residual or not activation))
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
     lead = tuple(lead) if lead else (m,)
     residual_shape = (*lead, n) if residual else (1,)
-    rows, vectors = tile(n, lanes)
+    rows, vectors = tile(n, lanes, gated)
     width = vectors * lanes
+    half = vectors // 2  # a gated panel's activated vectors, then as many gates
+    out_n = n // 2 if gated else n
     words = k // DEPTH  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
     panel_lines = k * width // CACHE_LINE
@@ -172,9 +180,14 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     @T.macro
     def store(sx, sw, b, rf, yf, acc, p, first_row, group):
         for i in T.unroll(group):
-            for v in T.unroll(vectors):
+            for v in T.unroll(half if gated else vectors):
                 for j in T.vectorized(lanes):
-                    if residual:
+                    if gated:
+                        yf[first_row + i, p * (width // 2) + v * lanes + j] = epilogue(dequantized(
+                            acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j])) \
+                            * dequantized(acc[i, (v + half) * lanes + j], sx[first_row + i], sw[p * width + (v + half) * lanes + j],
+                                          b[p * width + (v + half) * lanes + j])
+                    elif residual:
                         yf[first_row + i, p * width + v * lanes + j] = dequantized(
                             acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j]) \
                             + rf[first_row + i, p * width + v * lanes + j]
@@ -206,7 +219,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     def int8_matmul(x: T.Buffer((*lead, k), ROWS_DTYPE), sx: T.Buffer((m,), "float32"),
                     wq: T.Buffer((panels, words, width * DEPTH), "int8"), c0: T.Buffer((n,), "int32"),
                     sw: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"),
-                    y: T.Buffer((*lead, n), "float32")):
+                    y: T.Buffer((*lead, out_n), "float32")):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("int8_tiles"):
@@ -214,7 +227,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 T.writes(whole(y))
                 x32 = T.decl_buffer((m, words), "int32", data=x.data)
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
-                yf = T.decl_buffer((m, n), "float32", data=y.data)
+                yf = T.decl_buffer((m, out_n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "int8", data=wq.data)
                 for blk in range(blocks):
                     for p in T.parallel(panels):

@@ -69,7 +69,7 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     def make_kernel(m, lead, n, k, activation, residual, _out_dtype, gated):
         if on_amx(n, k):
             return amx.int8_kernel(m, n, k, lead, activation, residual, gated=gated)
-        return kernel(m, n, k, lanes, lead, activation, residual, dot=dot)
+        return kernel(m, n, k, lanes, lead, activation, residual, dot=dot, gated=gated)
 
     def quantizer(rewriter, lead, k, rows):
         key = ("quantize_rows", *lead, k, rows)
@@ -83,10 +83,10 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
         lead, n, k = sizes
         m = row_count(lead)
         rows = amx.padded_rows(m) if on_amx(n, k) else None
-        width = amx.TILE if rows else tile(n, lanes)[1] * lanes
+        width = amx.TILE if rows else tile(n, lanes, gate is not None)[1] * lanes
         emit = rewriter.builder_.emit
-        if gate is not None:  # on AMX: each panel's 32 columns, 16 activated then their gates
-            weight, bias = gated_operands(rewriter.builder_, weight, bias, gate, amx.TILE // 2)
+        if gate is not None:  # each panel's columns, half of them activated, then their gates
+            weight, bias = gated_operands(rewriter.builder_, weight, bias, gate, width // 2)
         laid_out, weight_scale, start = (emit(operand) for operand in quantized_weight(weight, width, dot))
         rows_type = relax.TensorType((rows, k) if rows else (*lead, k), ROWS_DTYPE)
         quantized = emit(relax.call_tir(quantizer(rewriter, lead, k, rows), [x], [rows_type, relax.TensorType((m,), "float32")]))
@@ -96,6 +96,7 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
         return relax.call_tir(kernel_for(m, lead), [quantized_rows, row_scale, weight_operand, start, weight_scale, *rest],
                               relax.TensorType((*lead, n // 2 if gate is not None else n), "float32"))
 
-    # A gated activation (GeGLU) where the AMX kernel takes the matmul; the VNNI kernel has no gated epilogue.
+    # A gated activation (GeGLU) in whichever kernel takes the matmul: AMX's, or the vector one where
+    # its panels split in two (an even number of vectors).
     return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", make_kernel, takes, call_kernel,
-                                   takes_gate=lambda sizes: on_amx(*sizes[1:]))
+                                   takes_gate=lambda sizes: on_amx(*sizes[1:]) or tile(sizes[1], lanes, True) is not None)
