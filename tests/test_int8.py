@@ -217,15 +217,17 @@ def test_amx_int8_kernel_sums_exactly_what_numpy_sums(lead, n, k, activation, re
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_TARGET.int8_lanes}))
 @pytest.mark.parametrize("instruction", sorted({"vpmaddubsw", HOST_TARGET.int8_instruction}))
 @pytest.mark.parametrize("activated_half", [0, 1])
-def test_a_gated_activation_runs_in_the_vector_kernel_that_writes_half_the_columns(instruction, activated_half):
+def test_a_gated_activation_runs_in_the_vector_kernel_that_writes_half_the_columns(lanes, instruction, activated_half):
     """GeGLU without AMX: each panel's columns half activated, half their gates, quantized so, and
     the VNNI or vpmaddubsw kernel writes gelu(activated) x gate."""
     from tvmbert.passes.int8_matmuls import int8_matmuls
 
-    lead, n, k = (2, 11), 256, 64  # 22 rows: a last tile smaller than the others; AVX-512: 4 panels of 32 and their 32 gates
-    kernels, main, y, expected = glu_through(int8_matmuls(HOST_TARGET.int8_lanes, instruction), lead, n, k, activated_half, 4)
+    # 22 rows: a last tile smaller than the others; 4 panels of 32 columns and their 32 gates (AVX-512), or of 8 and 8 (AVX2)
+    lead, n, k = (2, 11), 256, 64
+    kernels, main, y, expected = glu_through(int8_matmuls(lanes, instruction), lead, n, k, activated_half, 4)
     assert sorted(kernels) == [f"int8_matmul_{lead[0]}x{lead[1]}x{n}x{k}_gelu_gated", f"int8_quantize_rows_{lead[0]}x{lead[1]}x{k}"]
     assert "R.split" not in main and "R.nn.gelu" not in main
     # int8's error, a few percent of the largest; a column paired with another's gate would be off by the whole value
