@@ -62,7 +62,7 @@ def trace(job: Job, force: bool = False) -> Artifact:
         with torch.no_grad(), _fake_tensor_log_quiet():
             program = torch.export.export(model, tuple(inputs.values()))
     except Exception as exc:
-        raise _export_failure(job.source.name, model, inputs, exc) from exc
+        raise _export_failure(job, model, inputs, exc) from exc
     if model.random_weights:  # --allow-random-weights: every later artifact and report carries them
         meta["random_weights"] = list(model.random_weights)
     meta["outputs"] = [
@@ -91,18 +91,26 @@ def _fake_tensor_log_quiet():
         logger.setLevel(level)
 
 
-def _export_failure(name: str, model, inputs: dict, exc: Exception) -> Exception:
-    """Bad input when transformers' own model fails on the example too (a config.json whose sizes
-    its modules cannot run, e.g. a pooler narrower than the hidden states); export's failure else."""
+def _export_failure(job: Job, model, inputs: dict, exc: Exception) -> Exception:
+    """Bad input when the user's directory is the model as transformers saved it and transformers'
+    own model fails on the example too (a config.json whose sizes its modules cannot run, e.g. a
+    pooler narrower than the hidden states); export's failure else (a preset, or a packed build's
+    attention, are ours)."""
     import torch
 
-    try:
-        with torch.no_grad():
-            model(*inputs.values())
-    except Exception as eager:  # noqa: BLE001 - whatever the model's own code raises
-        return InputError(f"'{name}': transformers' own {type(model.model).__name__} fails on it, before any compiling "
-                          f"({str(eager).splitlines()[0]}): its config.json describes a model transformers cannot run")
-    return StageFailed(f"torch.export failed for {name}: {str(exc).splitlines()[0]}")
+    name = job.source.name
+    if job.source.preset is None and not job.packed:
+        try:
+            with torch.no_grad():
+                model(*inputs.values())
+        except Exception as eager:  # noqa: BLE001 - whatever the model's own code raises
+            return InputError(f"'{name}': transformers' own {type(model.model).__name__} fails on it, before any compiling "
+                              f"({_first_line(eager)}): its config.json describes a model transformers cannot run")
+    return StageFailed(f"torch.export failed for {name}: {_first_line(exc)}")
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def packed_example(job: Job, positions: dict) -> dict:
