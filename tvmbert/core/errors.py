@@ -1,6 +1,12 @@
 """One exception hierarchy: the CLI maps each class to one line and an exit code."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type's name where it has none: what a
+    one-line error quotes of another library's (a bare ``assert`` has no message)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 class TvmbertError(Exception):
     """Base of every error tvmbert raises on purpose."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tvmbert.core.artifacts import Artifact
-from tvmbert.core.errors import StageFailed
+from tvmbert.core.errors import StageFailed, first_line
 from tvmbert.deploy.weights import PARAMS_FILE, save_params
 from tvmbert.frontend.conversions import dtype_preserving_ops
 from tvmbert.ir.files import PROGRAM_FILE, save_module
@@ -28,7 +28,7 @@ def convert(job: Job, force: bool = False) -> Artifact:
         module = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True,
                                        custom_convert_map=dtype_preserving_ops())
     except Exception as exc:
-        raise StageFailed(f"Relax import failed: {str(exc).splitlines()[0]}") from exc
+        raise StageFailed(f"Relax import failed: {first_line(exc)}") from exc
     module, params = relax.frontend.detach_params(bounded_takes()(module))
     # num_input tells Relax passes which parameters are user inputs and which are weights.
     inputs = len(traced.meta["inputs"])

@@ -10,7 +10,7 @@ import platform
 from tvmbert.core import artifacts
 from tvmbert.core.artifacts import Artifact
 from tvmbert.core.config import torch_dtype
-from tvmbert.core.errors import InputError, StageFailed
+from tvmbert.core.errors import InputError, StageFailed, first_line
 from tvmbert.deploy import packing
 from tvmbert.frontend import models
 from tvmbert.frontend.packed_attention import load_packed
@@ -105,12 +105,8 @@ def _export_failure(job: Job, model, inputs: dict, exc: Exception) -> Exception:
                 model(*inputs.values())
         except Exception as eager:  # noqa: BLE001 - whatever the model's own code raises
             return InputError(f"'{name}': transformers' own {type(model.model).__name__} fails on it, before any compiling "
-                              f"({_first_line(eager)}): its config.json describes a model transformers cannot run")
-    return StageFailed(f"torch.export failed for {name}: {_first_line(exc)}")
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                              f"({first_line(eager)}): its config.json describes a model transformers cannot run")
+    return StageFailed(f"torch.export failed for {name}: {first_line(exc)}")
 
 
 def packed_example(job: Job, positions: dict) -> dict:

@@ -24,7 +24,7 @@ from pathlib import Path
 from tvmbert.core import targets
 from tvmbert.core.config import user_log_dir
 from tvmbert.core.console import to_stderr
-from tvmbert.core.errors import InputError
+from tvmbert.core.errors import InputError, first_line
 from tvmbert.deploy.loader import check_cpu
 from tvmbert.ir.tasks import Task, extract_tasks
 from tvmbert.passes.pipeline import lowering
@@ -380,7 +380,7 @@ def export(forward, module, inputs):
         program = torch.export.export(wrapper, (*inputs, *masks))
     except Exception as exc:
         raise InputError(f"add_tvm_dispatch: torch.export cannot trace {type(module).__name__}: "
-                         f"{str(exc).splitlines()[0]}") from None
+                         f"{first_line(exc)}") from None
     relax_module = from_exported_program(program, keep_params_as_input=True,
                                          custom_convert_map=dtype_preserving_ops())
     main = relax_module["main"]

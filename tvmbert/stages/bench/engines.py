@@ -366,6 +366,11 @@ def _openvino_array(openvino, tensor) -> np.ndarray:
     return np.array(tensor.data)
 
 
+def failure_line(exc: Exception) -> str:
+    """A peer's failure as the report gives it: its type and its message's first line, cut at 160."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+
+
 def why_unavailable(name: str, job: Job) -> str | None:
     """Why an engine cannot run here, or on this model, or None."""
     missing = [m for m in registry.ENGINES[name].requires if importlib.util.find_spec(m) is None]

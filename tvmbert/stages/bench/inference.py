@@ -23,6 +23,7 @@ from tvmbert.stages.bench.engines import (
     check_engines,
     check_tolerance,
     default_engines,
+    failure_line,
     peer_dtype,
     reference,
     why_unavailable,
@@ -71,7 +72,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             try:
                 engines.append(_make(name, job, inputs, threads))
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is skipped, with the reason
-                reason = f"failed to set up: {_first_line(exc)}"
+                reason = f"failed to set up: {failure_line(exc)}"
         if reason is not None:
             report[name] = {"skipped": reason}
             job.say(f"bench: {name} skipped: {reason}")
@@ -86,7 +87,7 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             accuracy[engine.name] = _check(engine, expected, mask, per_token,
                                            check_tolerance(engine.name, job.config.dtype, job.target.is_gpu))
         except Exception as exc:  # noqa: BLE001 - an engine that fails to run or answers nothing comparable is not timed
-            problem = str(exc) if isinstance(exc, Incomparable) else f"failed to run: {_first_line(exc)}"
+            problem = str(exc) if isinstance(exc, Incomparable) else f"failed to run: {failure_line(exc)}"
             report[engine.name] = {"skipped": problem}
             job.say(f"bench: {engine.name} not timed: {problem}")
             continue
@@ -117,10 +118,6 @@ def bench_shape(job: Job, shape: Shape, engine_names: tuple[str, ...], threads: 
             "engines": ordered,
             **_ratios(ordered, job.config.dtype),
             "machine_jitter": jitter, "random_weights": built.meta.get("random_weights", [])}
-
-
-def _first_line(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
 
 
 def engine_dtypes(dtype: str, engines, gpu: bool = False) -> dict[str, str]:

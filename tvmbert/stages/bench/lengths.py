@@ -21,7 +21,7 @@ from tvmbert.core.families import TASKS
 from tvmbert.core.targets import cpu_count
 from tvmbert.deploy.package import load
 from tvmbert.frontend import models
-from tvmbert.stages.bench.engines import CHECK_TOLERANCE, onnx_session, why_unavailable
+from tvmbert.stages.bench.engines import CHECK_TOLERANCE, failure_line, onnx_session, why_unavailable
 from tvmbert.stages.bench.timing import environment, set_threads
 from tvmbert.stages.export import DEFAULT_SEQ_LENS, export
 from tvmbert.stages.job import Job
@@ -140,7 +140,7 @@ def _engines(job: Job, names, requests, batch: int, seq_lens, threads: int) -> t
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is skipped, with the reason
             if name == "tvm":
                 raise
-            skipped[name] = f"failed to set up: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+            skipped[name] = f"failed to set up: {failure_line(exc)}"
             job.say(f"bench: {name} skipped: {skipped[name]}")
             continue
         runs[name](requests[0])
