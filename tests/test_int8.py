@@ -193,6 +193,49 @@ def test_int8_kernel_sums_exactly_what_numpy_sums(dot, lanes, lead, n, k, block_
     check_against_numpy(tvm.compile(module, target=HOST), dot, lead, n, k, activation, residual, vectors * lanes)
 
 
+@pytest.mark.simd
+@pytest.mark.parametrize("dot", DOTS)
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+def test_a_rotating_panel_major_int8_kernel_stores_the_row_major_result_rotated(dot, lanes):
+    """ModernBERT's Q/K/V projection in int8: the panel-major kernel writes each panel's columns of
+    every row together, what the row-major kernel writes, its first panels rotated (Q's and K's
+    heads, ``y * cos + rotate_half(y) * sin`` with table row ``row % P``), the last one as it is."""
+    import tvm
+
+    lead, n, k, table_rows = (2, 11), 128, 64, 11  # 22 rows: a last tile smaller than the others; a padded batch of 2
+    m = int(np.prod(lead))
+    _, vectors = int8.tile(n, lanes)
+    width = vectors * lanes
+    panels = n // width
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((*lead, k), dtype=np.float32)
+    wq = rng.integers(-64, 65, (panels, k // int8.DEPTH, width * int8.DEPTH)).astype("int8")  # pairs within 128
+    start = rng.integers(-1000, 1000, n).astype("int32")
+    sw, b = (rng.uniform(0.5, 1.5, n).astype("float32"), rng.standard_normal(n, dtype=np.float32))
+    tables = rng.standard_normal((2, table_rows, width), dtype=np.float32)
+    module = tvm.IRModule({
+        "quantize": int8.quantize_rows_kernel(m, k, lanes, lead).with_attr("global_symbol", "quantize"),
+        "rows": int8.kernel(m, n, k, lanes, lead, dot=DOTS[dot]).with_attr("global_symbol", "rows"),
+        "panels": int8.kernel(m, n, k, lanes, lead, dot=DOTS[dot], panel_major=True,
+                              rotary=(0, panels - 1, table_rows)).with_attr("global_symbol", "panels")})
+    library = tvm.compile(module, target=HOST)
+    xq, sx = tvm.runtime.tensor(np.zeros((*lead, k), int8.ROWS_DTYPE)), tvm.runtime.tensor(np.zeros(m, "float32"))
+    library["quantize"](tvm.runtime.tensor(x), xq, sx)
+    weights = [tvm.runtime.tensor(a) for a in (wq, start, sw, b)]
+    row_major = tvm.runtime.tensor(np.zeros((*lead, n), "float32"))
+    library["rows"](xq, sx, *weights, tvm.runtime.tensor(np.zeros(1, "float32")), row_major)
+    panel_major = tvm.runtime.tensor(np.zeros((panels, m, width), "float32"))
+    library["panels"](xq, sx, *weights, tvm.runtime.tensor(tables), panel_major)
+
+    expected = row_major.numpy().reshape(m, panels, width).transpose(1, 0, 2).astype(np.float64)
+    got = panel_major.numpy()
+    np.testing.assert_array_equal(got[-1], expected[-1])  # V's panel, in a projection
+    cos, sin = (table[np.arange(m) % table_rows] for table in tables)
+    half = width // 2
+    rotated = expected[:-1] * cos + np.concatenate([-expected[:-1, :, half:], expected[:-1, :, :half]], axis=2) * sin
+    assert np.abs(got[:-1] - rotated).max() <= 1e-5 * np.abs(rotated).max()
+
+
 @pytest.mark.amx_int8
 @pytest.mark.parametrize("lead, n, k", [
     ((14,), 64, 128),  # a half block (16 rows), 2 of them padding: bert's 1 x 14

@@ -26,8 +26,9 @@ from __future__ import annotations
 from tvmbert.kernels.scalar_math import gelu_float32
 
 KERNEL_ATTR = "tvmbert.fma_f32"  # PrimFunc attribute marking the kernel (build counts them)
-ACTIVATION_ATTR = "tvmbert.fma_activation"  # the kernel's activation ("" for none): what a variant of it needs
-GATED_ATTR = "tvmbert.fma_gated"  # a gated activation's kernel: half the columns, no panel-major variant
+# On this kernel's and the int8 kernel's PrimFuncs: what a panel-major variant of one needs
+ACTIVATION_ATTR = "tvmbert.matmul_activation"  # the kernel's activation ("" for none)
+GATED_ATTR = "tvmbert.matmul_gated"  # a gated activation's kernel: half the columns, no panel-major variant
 # A matmul by a weight with few rows is bound by streaming the weight. Schedules tuned on the CPU
 # itself stream it better there, below 16 rows (Sapphire Rapids, its shipped records, bert-base
 # 1 x 14: 18.7 ms tuned, 20.4 on the kernel); every other CPU runs schedules carried from another

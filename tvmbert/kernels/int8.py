@@ -39,9 +39,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tvmbert.kernels.fma import ACTIVATIONS, CACHE_LINE, STACK_BYTES, assembly_of, prefetch_to_l2, row_blocks, whole
+from tvmbert.kernels.fma import (
+    ACTIVATION_ATTR,
+    ACTIVATIONS,
+    CACHE_LINE,
+    GATED_ATTR,
+    STACK_BYTES,
+    assembly_of,
+    prefetch_to_l2,
+    row_blocks,
+    whole,
+)
 
 KERNEL_ATTR = "tvmbert.int8_matmul"  # PrimFunc attribute marking the matmul kernel (build counts them)
+# On the vector kernel's PrimFuncs, with fma's ACTIVATION_ATTR and GATED_ATTR: what a variant of one needs
+INSTRUCTION_ATTR = "tvmbert.int8_instruction"  # its DotProduct's instruction
+LANES_ATTR = "tvmbert.int8_lanes"
 QUANTIZE_ATTR = "tvmbert.int8_quantize_rows"
 LEVELS = 127  # symmetric int8: -127..127, so that negation never overflows
 ROW_OFFSET = 128  # added to the rows' levels: the dot products' row operand is unsigned
@@ -131,7 +144,8 @@ def dequantized(total, row_scale, column_scale, bias):
 
 
 def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = None, activation: str | None = None,
-           residual: bool = False, *, dot: DotProduct, block_rows: int | None = None, gated: bool = False):
+           residual: bool = False, *, dot: DotProduct, block_rows: int | None = None, gated: bool = False,
+           panel_major: bool = False, rotary: tuple[int, int, int] | None = None):
     """The PrimFunc ``y[*lead, n] = act(sx[row] * sw[n] * (c0[n] + xq[*lead, k] @ Wq[k, n]) + b[n]) (+ r[*lead, n])``
     with xq the rows as ``quantize_rows_kernel`` stores them, Wq as the module docstring lays it
     out, c0 the accumulators' start (``-ROW_OFFSET x sum_k Wq[k, n]``); ``m`` (the product of
@@ -143,14 +157,17 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     import tvm
     from tvm.script import tirx as T
 
-    assert not (gated and (residual or not activation))
+    assert not (panel_major and residual) and not (gated and (residual or panel_major or not activation))
     epilogue = ACTIVATIONS[activation] if activation else (lambda value: value)
     lead = tuple(lead) if lead else (m,)
-    residual_shape = (*lead, n) if residual else (1,)
     rows, vectors = tile(n, lanes, gated)
     width = vectors * lanes
-    half = vectors // 2  # a gated panel's activated vectors, then as many gates
+    half = vectors // 2  # a gated panel's activated vectors, then as many gates; a rotated panel's halves
+    assert rotary is None or (panel_major and not activation and vectors % 2 == 0), (rotary, vectors)
+    rotary_first, rotary_end, table_rows = rotary or (0, 0, 1)
+    residual_shape = (*lead, n) if residual else (2, table_rows, width) if rotary else (1,)
     out_n = n // 2 if gated else n
+    y_shape = (n // width, m, width) if panel_major else (*lead, out_n)
     words = k // DEPTH  # k steps: one int32 of each row's values per step
     panels, tiles, last_rows = n // width, m // rows, m % rows
     panel_lines = k * width // CACHE_LINE
@@ -178,11 +195,27 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                 acc[i, T.ramp(v * lanes, 1, lanes)] = c0[T.ramp(p * width + v * lanes, 1, lanes)]
 
     @T.macro
+    def store_rotated(sx, sw, b, r, yf, acc, p, first_row, group):
+        for i in T.unroll(group):
+            for v in T.unroll(vectors):
+                for j in T.vectorized(lanes):
+                    yf[p, first_row + i, v * lanes + j] = dequantized(
+                        acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j]) \
+                        * r[0, (first_row + i) % table_rows, v * lanes + j] \
+                        + T.if_then_else(v < half, T.float32(-1), T.float32(1)) * dequantized(
+                            acc[i, (v + half) % vectors * lanes + j], sx[first_row + i], sw[p * width + (v + half) % vectors * lanes + j],
+                            b[p * width + (v + half) % vectors * lanes + j]) \
+                        * r[1, (first_row + i) % table_rows, v * lanes + j]
+
+    @T.macro
     def store(sx, sw, b, rf, yf, acc, p, first_row, group):
         for i in T.unroll(group):
             for v in T.unroll(half if gated else vectors):
                 for j in T.vectorized(lanes):
-                    if gated:
+                    if panel_major:
+                        yf[p, first_row + i, v * lanes + j] = epilogue(dequantized(
+                            acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j]))
+                    elif gated:
                         yf[first_row + i, p * (width // 2) + v * lanes + j] = epilogue(dequantized(
                             acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j])) \
                             * dequantized(acc[i, (v + half) * lanes + j], sx[first_row + i], sw[p * width + (v + half) * lanes + j],
@@ -196,7 +229,23 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
                             acc[i, v * lanes + j], sx[first_row + i], sw[p * width + v * lanes + j], b[p * width + v * lanes + j]))
 
     @T.macro
-    def row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, head, tail):
+    def store_tile(sx, sw, b, r, rf, yf, acc_head, acc_tail, p, t, head, tail):
+        if rotary is not None:
+            if rotary_first <= p and p < rotary_end:
+                store_rotated(sx, sw, b, r, yf, acc_head, p, t * rows, head)
+                if tail > 0:
+                    store_rotated(sx, sw, b, r, yf, acc_tail, p, t * rows + head, tail)
+            else:
+                store(sx, sw, b, rf, yf, acc_head, p, t * rows, head)
+                if tail > 0:
+                    store(sx, sw, b, rf, yf, acc_tail, p, t * rows + head, tail)
+        else:  # (no test of p where nothing rotates)
+            store(sx, sw, b, rf, yf, acc_head, p, t * rows, head)
+            if tail > 0:
+                store(sx, sw, b, rf, yf, acc_tail, p, t * rows + head, tail)
+
+    @T.macro
+    def row_tile(x32, sx, wq, wf, c0, sw, b, r, rf, yf, p, t, head, tail):
         acc_head = T.alloc_buffer((head, width), "int32")
         acc_tail = T.alloc_buffer((max(tail, 1), width), "int32")
         begin(c0, acc_head, p, head)
@@ -211,30 +260,29 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
             accumulate(x32, wq, acc_head, p, t * rows, head, kw)
             if tail > 0:
                 accumulate(x32, wq, acc_tail, p, t * rows + head, tail, kw)
-        store(sx, sw, b, rf, yf, acc_head, p, t * rows, head)
-        if tail > 0:
-            store(sx, sw, b, rf, yf, acc_tail, p, t * rows + head, tail)
+        store_tile(sx, sw, b, r, rf, yf, acc_head, acc_tail, p, t, head, tail)
 
     @T.prim_func(s_tir=True)
     def int8_matmul(x: T.Buffer((*lead, k), ROWS_DTYPE), sx: T.Buffer((m,), "float32"),
                     wq: T.Buffer((panels, words, width * DEPTH), "int8"), c0: T.Buffer((n,), "int32"),
                     sw: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32"), r: T.Buffer(residual_shape, "float32"),
-                    y: T.Buffer((*lead, out_n), "float32")):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, "op_pattern": 8})
+                    y: T.Buffer(y_shape, "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, KERNEL_ATTR: True, ACTIVATION_ATTR: activation or "",
+                     GATED_ATTR: gated, INSTRUCTION_ATTR: dot.instruction, LANES_ATTR: lanes, "op_pattern": 8})
         with T.sblock("root"):
             with T.sblock("int8_tiles"):
                 T.reads(whole(x), whole(sx), whole(wq), whole(c0), whole(sw), whole(b), whole(r))
                 T.writes(whole(y))
                 x32 = T.decl_buffer((m, words), "int32", data=x.data)
                 rf = T.decl_buffer((m, n) if residual else (1,), "float32", data=r.data)
-                yf = T.decl_buffer((m, out_n), "float32", data=y.data)
+                yf = T.decl_buffer((n // width, m, width) if panel_major else (m, out_n), "float32", data=y.data)
                 wf = T.decl_buffer((panels * k * width,), "int8", data=wq.data)
                 for blk in range(blocks):
                     for p in T.parallel(panels):
                         for t in range(blk * block_tiles, T.min((blk + 1) * block_tiles, tiles)):
-                            row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, t, *groups(rows))
+                            row_tile(x32, sx, wq, wf, c0, sw, b, r, rf, yf, p, t, *groups(rows))
                         if last_rows > 0 and blk == blocks - 1:
-                            row_tile(x32, sx, wq, wf, c0, sw, b, rf, yf, p, tiles, *groups(last_rows))
+                            row_tile(x32, sx, wq, wf, c0, sw, b, r, rf, yf, p, tiles, *groups(last_rows))
 
     assert isinstance(int8_matmul, tvm.tirx.PrimFunc)
     return int8_matmul

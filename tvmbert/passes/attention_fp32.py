@@ -5,7 +5,11 @@ head transposes around them) found in the graph and replaced by one call of the 
 from __future__ import annotations
 
 from tvmbert.kernels.attention import Positions, amx_bf16_fits, amx_bf16_kernel, fits, kernel
+from tvmbert.passes import fma_fp32, int8_matmuls
 from tvmbert.passes.attention_graph import Attention, find, mask_operand, row_major
+
+# The projections' kernels the attention kernel reads Q, K and V from panel-major, rotating them there
+PANEL_MAJOR_KERNELS = (fma_fp32.PANEL_MAJOR, int8_matmuls.PANEL_MAJOR)
 
 
 def _rotated_in_projection(attention: Attention) -> Attention | None:
@@ -33,18 +37,14 @@ def _rotary_panels(attention: Attention, width: int) -> tuple[int, int, int] | N
 
 
 def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: int) -> tuple[dict, dict]:
-    """The operands to read panel-major: var -> ``(kernel, shape, Rotary, panels)``
-    (``fma_fp32.panel_major_variant``; the Rotary and its panels, ``_rotary_panels``, or None)
-    for each value an FMA kernel computes that, once the attentions are rewritten, nothing but
+    """The operands to read panel-major: var -> ``(kernel, shape, Rotary, panels, table operand)``
+    (a ``PANEL_MAJOR_KERNELS`` variant; the Rotary and its panels, ``_rotary_panels``, or None)
+    for each value an FMA or int8 kernel computes that, once the attentions are rewritten, nothing but
     the kernel reads, and whose every attention reads all three of Q, K and V from such values
     of one width (bert-base's fused Q/K/V projection); and the attentions that read Q and K
     unrotated from such a value, its kernel rotating them (var -> their Attention, with rotary
     the Rotary of their Q: ``_rotated_in_projection``)."""
     from tvm import relax
-
-    from tvmbert.ir.dataflow import static_shape
-    from tvmbert.kernels import fma
-    from tvmbert.passes.fma_fp32 import panel_major_variant
 
     bindings, values, _ = flow
     rotated = {var: fused for var, attention in found.items() if (fused := _rotated_in_projection(attention)) is not None}
@@ -77,15 +77,15 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
         if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.call_tir") or len(rotations[source]) > 1:
             continue
         callee = module[value.args[0]]
-        if not callee.attrs or fma.KERNEL_ATTR not in callee.attrs:
+        producer = next((entry for entry in PANEL_MAJOR_KERNELS if callee.attrs and entry.kernel_attr in callee.attrs), None)
+        if producer is None:
             continue
         if all(var in found for var in live if source in reads.get(var, ())):
             readers = [attention for var, attention in rotated.items() if attention.sources[0][0].same_as(source)]
-            width = static_shape(value.args[1].fields[1])[2]  # the weight's panels, [n / width, k, width]
-            panels = _rotary_panels(readers[0], width) if readers else None
-            variant = panel_major_variant(value, callee, lanes, panels) if panels or not readers else None
+            panels = _rotary_panels(readers[0], producer.width(value)) if readers else None
+            variant = producer.variant(value, callee, lanes, panels) if panels or not readers else None
             if variant is not None:
-                candidates[source] = (*variant, readers[0].rotary[0] if readers else None, panels)
+                candidates[source] = (*variant, readers[0].rotary[0] if readers else None, panels, producer.tables)
     mixed = True
     while mixed:  # an attention reads its three operands panel-major, of one width, or none so
         mixed = [attention for attention in found.values()
@@ -179,7 +179,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             attention's are; emitted where the first attention reads it, after the rotary tables."""
             if source in self.panels:
                 return self.panels[source]
-            function, shape, rotary, panels = self.panel_sources[source]
+            function, shape, rotary, panels, tables = self.panel_sources[source]
             call = self.values[source]
             callee = call.args[0]
             key = (callee, panels)
@@ -188,7 +188,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
                 self.variants[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             operands = [self.visit_expr(arg) for arg in call.args[1].fields]
             if rotary is not None:
-                operands[3] = self.rotary_tables(rotary)
+                operands[tables] = self.rotary_tables(rotary)
             self.panels[source] = self.builder_.emit(relax.call_tir(self.variants[key], operands, relax.TensorType(shape, "float32")))
             return self.panels[source]
 

@@ -4,7 +4,8 @@ in panels."""
 
 from __future__ import annotations
 
-from tvmbert.kernels.fma import ACTIVATION_ATTR, GATED_ATTR, kernel, tile
+from tvmbert.kernels.fma import ACTIVATION_ATTR, GATED_ATTR, KERNEL_ATTR, kernel, tile
+from tvmbert.passes.kernel_calls import PanelMajor
 
 
 def panel_major_variant(call, function, lanes: int, rotary: tuple[int, int, int] | None = None):
@@ -28,6 +29,15 @@ def panel_major_variant(call, function, lanes: int, rotary: tuple[int, int, int]
     if rotary is not None and (activation or (width // lanes) % 2):
         return None
     return kernel(m, n, k, lanes, lead, activation, panel_major=True, rotary=rotary), (n // width, m, width)
+
+
+def _panel_width(call) -> int:
+    from tvmbert.ir.dataflow import static_shape
+
+    return static_shape(call.args[1].fields[1])[2]  # the weight's panels, [n / width, k, width]
+
+
+PANEL_MAJOR = PanelMajor(KERNEL_ATTR, _panel_width, panel_major_variant, tables=3)
 
 
 def weight_in_panels(weight, width: int):

@@ -6,9 +6,13 @@ output channel."""
 from __future__ import annotations
 
 from tvmbert.kernels import amx
+from tvmbert.kernels.fma import ACTIVATION_ATTR, GATED_ATTR
 from tvmbert.kernels.int8 import (
     DEPTH,
     DOT_PRODUCTS,
+    INSTRUCTION_ATTR,
+    KERNEL_ATTR,
+    LANES_ATTR,
     LEVELS,
     ROW_OFFSET,
     ROWS_DTYPE,
@@ -18,6 +22,39 @@ from tvmbert.kernels.int8 import (
     quantize_rows_kernel,
     tile,
 )
+from tvmbert.passes.kernel_calls import PanelMajor
+
+
+def panel_major_variant(call, function, lanes: int, rotary: tuple[int, int, int] | None = None):
+    """As ``fma_fp32.panel_major_variant``, for a call of the vector int8 kernel (not AMX's):
+    ``(kernel, shape)``, the same kernel writing its result panel-major (rotating where
+    ``rotary`` says), or None where it cannot. ``lanes``: the fp32 lanes of the attention kernel
+    that reads it, which its panels' width was chosen by only where they agree."""
+    import numpy as np
+
+    from tvmbert.ir.dataflow import static_shape
+
+    if amx.KERNEL_ATTR in function.attrs or int(function.attrs[LANES_ATTR]) != lanes:
+        return None
+    x, _, laid_out, _, _, _, r = (static_shape(arg) for arg in call.args[1].fields)
+    if r != (1,) or bool(function.attrs[GATED_ATTR]):
+        return None
+    lead, k, n = x[:-1], x[-1], static_shape(call)[-1]
+    m, width = int(np.prod(lead)), laid_out[2] // DEPTH
+    activation = str(function.attrs[ACTIVATION_ATTR]) or None
+    if rotary is not None and (activation or (width // lanes) % 2):
+        return None
+    dot = DOT_PRODUCTS[str(function.attrs[INSTRUCTION_ATTR])]
+    return kernel(m, n, k, lanes, lead, activation, dot=dot, panel_major=True, rotary=rotary), (n // width, m, width)
+
+
+def _panel_width(call) -> int:
+    from tvmbert.ir.dataflow import static_shape
+
+    return static_shape(call.args[1].fields[2])[2] // DEPTH  # the weight's panels, [n / width, k / DEPTH, width x DEPTH]
+
+
+PANEL_MAJOR = PanelMajor(KERNEL_ATTR, _panel_width, panel_major_variant, tables=6)
 
 
 def quantized_weight(weight, width: int, dot: DotProduct):

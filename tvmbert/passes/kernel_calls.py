@@ -5,6 +5,9 @@ activation's weight reordered for it), one function per kernel shape, and the ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from tvmbert.ir.dataflow import dataflow, row_count, unread
 
 
@@ -305,3 +308,19 @@ def fp32_weight_matmul_pass(name: str, prefix: str, make_kernel, takes, call_ker
                 super().visit_var_binding_(binding)
 
     return function_pass(name, Rewriter)
+
+
+@dataclass(frozen=True)
+class PanelMajor:
+    """A weight-matmul kernel whose calls have a panel-major variant (``fma_fp32``, ``int8_matmuls``):
+    its calls marked by ``kernel_attr``; ``width(call)``, their panels' width; ``variant(call,
+    function, lanes, rotary)``, ``(kernel, shape [n / width, m, width])`` or None (as
+    ``fma_fp32.panel_major_variant``); ``tables``, the index among the call's operands of the one a
+    rotating variant reads its rotary tables from (r, unread by the call itself). The attention
+    pass reads Q, K and V from such variants (``attention_fp32._panel_sources``)."""
+
+    kernel_attr: str
+    width: Callable
+    variant: Callable
+    tables: int
+
