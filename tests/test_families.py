@@ -12,7 +12,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEBERTA_V3, FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
-from helpers import HOST_AMX, HOST_LANES, WITHOUT_KERNELS, assert_one_line_error
+from helpers import HOST_AMX, HOST_AMX_INT8, HOST_LANES, WITHOUT_KERNELS, assert_one_line_error
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -318,6 +318,30 @@ def test_modernbert_rotates_q_and_k_in_its_projections_kernel_and_gates_in_its_m
         assert not any(op in name for name in graphs - rotary for op in ("split", "gelu", "squeeze", "strided_slice")), graphs
         verified = tvmbert("verify", folder, *common, *packed, "--samples", "4", "--json")
         assert verified.code == 0 and verified.json["passed"] and verified.json["max_abs_diff"] < 1e-5, verified.stderr
+
+
+@pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
+def test_modernbert_in_int8_rotates_in_its_projections_kernel_and_quantizes_in_its_norms(tvmbert, tmp_path):
+    """In int8 as in fp32: with AVX-512 (and no AMX, whose tiles take the projection), the int8
+    Q/K/V projection writes head-major panels, Q's and K's rotated, for the attention kernel. The
+    norm before each projection and each MLP, read by nothing else, quantizes the rows itself:
+    the one left unfused is the embeddings' (read by the first layer's residual too)."""
+    folder = _save(tmp_path / "model", "ModernBertModel", **dict(MODERNBERT_SMALL, hidden_size=128, num_hidden_layers=3,
+                                                                 intermediate_size=96, max_position_embeddings=128))
+    common = ("--batch", "2", "--seq-len", "64", "--dtype", "int8", "--log-dir", str(tmp_path), "--workdir", str(tmp_path / "work"))
+    built = tvmbert("build", folder, *common, "--json")
+    assert built.code == 0, built.stderr
+    rotating = "int8_matmul_128x384x128_panels_rotary" in built.json["int8_kernels"]
+    assert rotating == (HOST_LANES == 16 and not HOST_AMX_INT8), built.json
+    assert all(name.endswith("_panels64") == rotating for name in built.json["attention_kernels"]), built.json
+    assert "layer_norm_2x64x128_to_int8_rows" in built.json["layer_norm_kernels"], built.json
+    optimized = next((tmp_path / "work").glob("*/b2-s64-int8/optimize/module.py")).read_text()
+    called = re.findall(r"R\.call_tir\(cls\.(\w+)", optimized.split("def main(")[1])
+    # 2 attention norms (the first layer's is the identity: its projection reads the embeddings' norm) and 3 MLP norms
+    assert called.count("layer_norm_2x64x128_to_int8_rows") == 5 and called.count("layer_norm_2x64x128") == 1, called
+    assert any("negative" in name for name in called) != rotating  # rotate_half's negation: the graph's rotary kernels
+    verified = tvmbert("verify", folder, *common, "--samples", "4", "--json")
+    assert verified.code == 0 and verified.json["passed"], verified.stderr
 
 
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")

@@ -35,6 +35,41 @@ def test_layer_norm_kernel_matches_float64(lanes, lead, n, residual):
 
 
 @pytest.mark.simd
+@pytest.mark.parametrize("lanes", sorted({8, HOST_LANES}))
+def test_a_quantizing_norm_stores_what_the_norm_then_the_row_quantization_store(lanes):
+    """The norm that quantizes its rows for an int8 matmul (ModernBERT's pre-norm layers) gives
+    the int8 kernel's rows and scales bit for bit as the two kernels did one after the other: a
+    row of zeros (scale 0), rows far from zero mean."""
+    import tvm
+
+    from tvmbert.kernels import int8
+
+    lead, n = (2, 7), 768
+    m = int(np.prod(lead))
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((*lead, n)) * 3 + 40).astype(np.float32)
+    x[1, 3] = 5  # a constant row: every value the mean, normalized to beta
+    gamma, beta = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    beta_zero = np.zeros(n, "float32")
+    module = tvm.IRModule({
+        "norm": layer_norm.kernel(m, n, lanes, 1e-5, lead).with_attr("global_symbol", "norm"),
+        "quantize": int8.quantize_rows_kernel(m, n, lanes, lead).with_attr("global_symbol", "quantize"),
+        "both": layer_norm.kernel(m, n, lanes, 1e-5, lead, quantized=True).with_attr("global_symbol", "both")})
+    library = tvm.compile(module, target=HOST)
+    for shift in (beta, beta_zero):  # with beta zero the constant row is zeros
+        y = tvm.runtime.tensor(np.zeros(x.shape, "float32"))
+        library["norm"](*(tvm.runtime.tensor(a) for a in (x, np.zeros(1, "float32"), gamma, shift)), y)
+        outputs = {}
+        for name, operands in (("quantize", (y,)), ("both", tuple(tvm.runtime.tensor(a) for a in (x, gamma, shift)))):
+            xq, sx = tvm.runtime.tensor(np.zeros(x.shape, int8.ROWS_DTYPE)), tvm.runtime.tensor(np.ones(m, "float32"))
+            library[name](*operands, xq, sx)
+            outputs[name] = (xq.numpy(), sx.numpy())
+        np.testing.assert_array_equal(outputs["both"][0], outputs["quantize"][0])
+        np.testing.assert_array_equal(outputs["both"][1], outputs["quantize"][1])
+        assert (outputs["both"][1][10] == 0) == (shift is beta_zero) and len(np.unique(outputs["both"][0])) > 200
+
+
+@pytest.mark.simd
 def test_per_row_buffers_stay_off_the_heap():
     """On the heap they were allocated and freed for every row (bert-base 8 x 128's norm with the
     residual add alone: 400 -> 325 µs)."""

@@ -288,7 +288,7 @@ def kernel(m: int, n: int, k: int, lanes: int, lead: tuple[int, ...] | None = No
     return int8_matmul
 
 
-def _round_half_even(value):
+def round_half_even(value):
     """TIR: ``value`` (float32) rounded to the nearest integer, ties to even, as NumPy's ``rint``. LLVM's
     ``roundeven`` called directly: TVM does not vectorize ``T.nearbyint`` (its loop stays scalar,
     and on 16 lanes LLVM's own vectorizer then gathered across rows: a quarter of bert-base's int8
@@ -338,7 +338,7 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
                     inverse[0] = T.Select(top[0] > T.float32(0), T.float32(LEVELS) / top[0], T.float32(0))
                     for v in range(vectors):
                         for j in T.vectorized(lanes):
-                            qf[row, v * lanes + j] = T.Cast(ROWS_DTYPE, _round_half_even(xf[row, v * lanes + j] * inverse[0])
+                            qf[row, v * lanes + j] = T.Cast(ROWS_DTYPE, round_half_even(xf[row, v * lanes + j] * inverse[0])
                                                             + T.float32(ROW_OFFSET))
                 for row in range(padding):
                     for v in range(vectors):

@@ -1,7 +1,8 @@
 """The ``int8-matmuls`` pass: fp32 matmuls by a weight, with their bias and the activation or
 residual add after them, become a row quantization of the input and one call of the int8 kernel
 (``kernels/int8.py``, or on AMX-INT8 ``kernels/amx.int8_kernel``) on the weight quantized per
-output channel."""
+output channel; a layer norm that only a row quantization reads then quantizes its rows itself
+(``quantizing_norms``)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,72 @@ def int8_matmuls(lanes: int, instruction: str, amx_tiles: bool = False):
     # its panels split in two (an even number of vectors).
     return fp32_weight_matmul_pass("Int8Matmuls", "int8_matmul_", make_kernel, takes, call_kernel,
                                    takes_gate=lambda sizes: on_amx(*sizes[1:]) or tile(sizes[1], lanes, True) is not None)
+
+
+def quantizing_norms(lanes: int):
+    """The module pass: a row quantization (``quantize_rows_kernel``'s, into as many rows) of a
+    layer norm kernel's result (``kernels/layer_norm.py``, without the residual add) that nothing
+    else reads becomes one call of the norm kernel that quantizes as it stores
+    (``layer_norm.kernel(quantized=True)``): ModernBERT's pre-norm layers, whose norms feed one
+    projection each, write no fp32 rows for the quantization to read back. A norm whose result
+    the residual path reads too (BERT's post-norm layers) keeps both calls."""
+    from tvm import relax
+
+    from tvmbert.ir.dataflow import dataflow, is_call, row_count, static_shape
+    from tvmbert.kernels import layer_norm
+    from tvmbert.kernels.int8 import QUANTIZE_ATTR
+    from tvmbert.passes.rewriters import function_pass
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def __init__(self, module):
+            super().__init__(module)
+            self.module, self.kernels, self.fused = module, {}, {}
+
+        def callee_attrs(self, value):
+            if not (isinstance(value, relax.Call) and getattr(value.op, "name", None) == "relax.call_tir"):
+                return {}
+            return self.module[value.args[0]].attrs or {}
+
+        def start(self, function):
+            """Which quantizations take their norm in (var -> the norm's call): the norm's result
+            read by the quantization alone, directly or through a reshape (to [rows, n])."""
+            _, values, uses = dataflow(function)
+            self.fused = {}
+            for var, value in values.items():
+                if QUANTIZE_ATTR not in self.callee_attrs(value):
+                    continue
+                rows = value.args[1].fields[0]
+                if is_call(values.get(rows), "relax.reshape") and uses.get(rows) == 1:
+                    rows = values[rows].args[0]
+                norm = values.get(rows)
+                if (layer_norm.EPSILON_ATTR in self.callee_attrs(norm) and uses.get(rows) == 1
+                        and static_shape(norm.args[1].fields[1]) == (1,)  # no residual
+                        and row_count(list(var.ty.fields[0].shape)[:-1]) == row_count(static_shape(rows)[:-1])):  # no padding rows (AMX's)
+                    self.fused[var] = norm
+
+        def kernel_for(self, norm):
+            epsilon = float(self.module[norm.args[0]].attrs[layer_norm.EPSILON_ATTR])
+            shape = static_shape(norm.args[1].fields[0])
+            key = (shape, epsilon)
+            if key not in self.kernels:
+                lead, n = shape[:-1], shape[-1]
+                function = layer_norm.kernel(row_count(lead), n, lanes, epsilon, lead, quantized=True)
+                name = "layer_norm_" + "x".join(str(d) for d in shape) + "_to_int8_rows"
+                self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
+            return self.kernels[key]
+
+        def visit_var_binding_(self, binding):
+            if binding.var not in self.fused:
+                super().visit_var_binding_(binding)
+                return
+            norm = self.fused[binding.var]
+            x, _, gamma, beta = (self.visit_expr(arg) for arg in norm.args[1].fields)
+            rows_type, scales_type = binding.var.ty.fields
+            normed = self.builder_.emit(relax.call_tir(self.kernel_for(norm), [x, gamma, beta],
+                                                       [relax.TensorType(x.ty.shape, rows_type.dtype), scales_type]))
+            rows = self.builder_.emit(relax.op.reshape(self.builder_.emit(relax.TupleGetItem(normed, 0)), rows_type.shape))
+            self.set_var_remap(binding.var, self.builder_.emit(relax.Tuple([rows, self.builder_.emit(relax.TupleGetItem(normed, 1))])))
+
+    return function_pass("QuantizingNorms", Rewriter)
+

@@ -113,10 +113,10 @@ def _layer_norm_fp32(context):
 
 
 def _int8_matmuls(context):
-    from tvmbert.passes.int8_matmuls import int8_matmuls
+    from tvmbert.passes.int8_matmuls import int8_matmuls, quantizing_norms
 
     target = context.target
-    return [int8_matmuls(target.int8_lanes, target.int8_instruction, target.has_amx_int8)]
+    return [int8_matmuls(target.int8_lanes, target.int8_instruction, target.has_amx_int8), quantizing_norms(target.fp32_lanes)]
 
 
 def _fma_fp32(context):
@@ -181,8 +181,8 @@ PASSES = (
     GraphPass("layer-norm-fp32", _layer_norm_fp32, added_for=lambda c: c.fp32_kernels, per_target=True),
     # Added for --dtype int8 on CPUs with AVX-512 or AVX2: weight matmuls (with their bias) call
     # our int8 kernel (kernels/int8.py; on AMX-INT8, kernels/amx.py) on their rows quantized as
-    # each call finds them, their weights quantized per output channel and laid out in its panels
-    # by bind-params.
+    # each call finds them (by the layer norm before them, where only they read it), their weights
+    # quantized per output channel and laid out in its panels by bind-params.
     GraphPass("int8-matmuls", _int8_matmuls, added_for=lambda c: c.fp32_kernels and c.dtype == "int8", per_target=True),
     # Added for --dtype float32 (and int8, for the matmuls int8-matmuls leaves) on CPUs with
     # AVX-512 or AVX2: weight matmuls (with their bias) with enough rows to be compute-bound call
