@@ -14,9 +14,10 @@ is stored (PyTorch divides the probabilities first). Sums run in another order a
 mask may fuse into one FMA: within fp32 rounding of the graph. Shapes where the sequence or the
 head size is not a multiple of the vector lanes keep the graph.
 
-Where the projection runs on the FMA kernel and nothing else reads its result, that kernel writes
-it panel-major instead (``passes/fma_fp32.panel_major_variant``; with bert-base's 64-column panels, one panel
-per head's Q, K or V) and this one reads the panels, both faster for it; where a panel is one
+Where the projection runs on the FMA kernel or the vector int8 one and nothing else reads its
+result, that kernel writes it panel-major instead (``passes/attention_fp32.PANEL_MAJOR_KERNELS``;
+with bert-base's 64-column panels, one panel per head's Q, K or V) and this one reads the panels,
+both faster for it; where a panel is one
 head's V, ``P V`` reads it in place, uncopied. With ``--dtype bfloat16`` on AMX only the weight
 matmuls are bf16 and the attention runs here too, in place of the graph's kernels (the
 measurements: CHANGELOG.md, 2026-11-22).
@@ -343,7 +344,7 @@ def kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask
     one unread float. With ``tokens`` (a packed build: ``packing.py``), the operands hold that
     many rows and the int64 ``rows[batch * seq]`` says which one holds sequence b's token s (in
     range: the packer makes it); otherwise ``rows`` is one unread int32. With ``panel``, each
-    operand is held panel-major, ``[columns / panel, rows, panel]`` (``passes/fma_fp32.panel_major_variant``).
+    operand is held panel-major, ``[columns / panel, rows, panel]`` (``passes/attention_fp32.PANEL_MAJOR_KERNELS``).
     With ``window`` (ModernBERT's local layers), a score whose query and key are more than
     ``window`` positions apart is masked, and only the key blocks within the window of a block
     of query rows are computed (``key_span``): the work grows with the sequence, not its square.
