@@ -12,7 +12,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEBERTA_V3, FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
-from helpers import HOST_AMX, HOST_AMX_INT8, HOST_LANES, WITHOUT_KERNELS, assert_one_line_error
+from helpers import HOST_AMX, HOST_AMX_INT8, HOST_LANES, HOST_TARGET, WITHOUT_KERNELS, assert_one_line_error
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -332,7 +332,7 @@ def test_modernbert_in_int8_rotates_in_its_projections_kernel_and_quantizes_in_i
     built = tvmbert("build", folder, *common, "--json")
     assert built.code == 0, built.stderr
     rotating = "int8_matmul_128x384x128_panels_rotary" in built.json["int8_kernels"]
-    assert rotating == (HOST_LANES == 16 and not HOST_AMX_INT8), built.json
+    assert rotating == (HOST_LANES == HOST_TARGET.int8_lanes == 16 and not HOST_AMX_INT8), built.json
     assert all(name.endswith("_panels64") == rotating for name in built.json["attention_kernels"]), built.json
     assert "layer_norm_2x64x128_to_int8_rows" in built.json["layer_norm_kernels"], built.json
     optimized = next((tmp_path / "work").glob("*/b2-s64-int8/optimize/module.py")).read_text()

@@ -8,7 +8,7 @@ deviations from its mean (two passes over a row in L1, as PyTorch computes it, r
 mean^2), each over several vector accumulators; then the normalized row, scaled and shifted, is
 stored. Or, for an int8 matmul that alone reads the norm (ModernBERT's pre-norm layers), the
 normalized row is quantized as it is stored, as ``int8.quantize_rows_kernel`` quantizes a row
-(``quantized_kernel``): no fp32 copy of the rows is written, and no kernel reads it back."""
+(``kernel(quantized=True)``): no fp32 copy of the rows is written, and no kernel reads it back."""
 
 from __future__ import annotations
 

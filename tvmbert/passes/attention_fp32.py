@@ -174,7 +174,7 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             return self.kernels[key]
 
         def panel_major(self, source):
-            """The panel-major variant of the FMA kernel call that computes ``source`` (that call
+            """The panel-major variant of the FMA or int8 kernel call that computes ``source`` (that call
             is dead once the attentions read this, and dce drops it), rotating Q and K where its
             attention's are; emitted where the first attention reads it, after the rotary tables."""
             if source in self.panels:

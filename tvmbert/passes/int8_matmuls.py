@@ -206,4 +206,3 @@ def quantizing_norms(lanes: int):
             self.set_var_remap(binding.var, self.builder_.emit(relax.Tuple([rows, self.builder_.emit(relax.TupleGetItem(normed, 1))])))
 
     return function_pass("QuantizingNorms", Rewriter)
-

@@ -323,4 +323,3 @@ class PanelMajor:
     width: Callable
     variant: Callable
     tables: int
-
