@@ -303,6 +303,42 @@ def round_half_even(value):
     return T.call_llvm_pure_intrin("float32", T.llvm_lookup_intrinsic_id("llvm.roundeven"), value)
 
 
+def row_quantizer(width: int, steps: int):
+    """The TIR macro ``quantize_row(value, operands, qf, sx, row)``: row ``row`` of the float32
+    values ``value(operands, row, column)`` (``steps`` x ``width`` columns, a vector of ``width``
+    at a time) quantized as every int8 kernel here takes its rows: ``sx[row] = max|value| / 127``
+    and ``qf[row, :] = round(value / sx[row]) + ROW_OFFSET`` (half to even, as NumPy rounds); a row
+    of zeros gets ``sx = 0`` and ``ROW_OFFSET``. ``value`` is computed twice (its largest first),
+    never stored: ``quantize_rows_kernel`` reads it, ``layer_norm.kernel(quantized=True)`` normalizes it."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def quantize_row(value, operands, qf, sx, row):
+        peak = T.alloc_buffer((width,), "float32")
+        for j in T.vectorized(width):
+            peak[j] = T.float32(0)
+        for v in range(steps):
+            for j in T.vectorized(width):
+                peak[j] = T.max(peak[j], T.fabs(value(operands, row, v * width + j)))
+        top = T.alloc_buffer((1,), "float32")
+        top[0] = T.float32(0)
+        for j in range(width):
+            top[0] = T.max(top[0], peak[j])
+        sx[row] = top[0] / T.float32(LEVELS)
+        inverse = T.alloc_buffer((1,), "float32")
+        inverse[0] = T.Select(top[0] > T.float32(0), T.float32(LEVELS) / top[0], T.float32(0))
+        for v in range(steps):
+            for j in T.vectorized(width):
+                qf[row, v * width + j] = T.Cast(ROWS_DTYPE, round_half_even(value(operands, row, v * width + j) * inverse[0])
+                                                + T.float32(ROW_OFFSET))
+
+    return quantize_row
+
+
+def _element(operands, row, column):
+    return operands[0][row, column]
+
+
 def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | None = None,
                          rows: int | None = None):
     """The PrimFunc ``(xq[*lead, k], sx[m]) = quantize(x[*lead, k])``: per row, ``sx = max|x| / 127``
@@ -317,6 +353,7 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
     vectors = k // lanes
     padding = rows - m if rows is not None else 0
     xq_shape = (rows, k) if rows is not None else (*lead, k)
+    quantize_row = row_quantizer(lanes, vectors)
 
     @T.prim_func(s_tir=True)
     def quantize_rows(x: T.Buffer((*lead, k), "float32"), xq: T.Buffer(xq_shape, ROWS_DTYPE), sx: T.Buffer((m,), "float32")):
@@ -328,23 +365,7 @@ def quantize_rows_kernel(m: int, k: int, lanes: int, lead: tuple[int, ...] | Non
                 xf = T.decl_buffer((m, k), "float32", data=x.data)
                 qf = T.decl_buffer((m + padding, k), ROWS_DTYPE, data=xq.data)
                 for row in T.parallel(m):
-                    peak = T.alloc_buffer((lanes,), "float32")
-                    for j in T.vectorized(lanes):
-                        peak[j] = T.float32(0)
-                    for v in range(vectors):
-                        for j in T.vectorized(lanes):
-                            peak[j] = T.max(peak[j], T.fabs(xf[row, v * lanes + j]))
-                    top = T.alloc_buffer((1,), "float32")
-                    top[0] = T.float32(0)
-                    for j in range(lanes):
-                        top[0] = T.max(top[0], peak[j])
-                    sx[row] = top[0] / T.float32(LEVELS)
-                    inverse = T.alloc_buffer((1,), "float32")
-                    inverse[0] = T.Select(top[0] > T.float32(0), T.float32(LEVELS) / top[0], T.float32(0))
-                    for v in range(vectors):
-                        for j in T.vectorized(lanes):
-                            qf[row, v * lanes + j] = T.Cast(ROWS_DTYPE, round_half_even(xf[row, v * lanes + j] * inverse[0])
-                                                            + T.float32(ROW_OFFSET))
+                    quantize_row(_element, (xf,), qf, sx, row)
                 for row in range(padding):
                     for v in range(vectors):
                         for j in T.vectorized(lanes):

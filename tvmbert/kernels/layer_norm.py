@@ -13,7 +13,7 @@ normalized row is quantized as it is stored, as ``int8.quantize_rows_kernel`` qu
 from __future__ import annotations
 
 from tvmbert.kernels.fma import whole
-from tvmbert.kernels.int8 import LEVELS, ROW_OFFSET, ROWS_DTYPE, round_half_even
+from tvmbert.kernels.int8 import ROWS_DTYPE, row_quantizer
 
 KERNEL_ATTR = "tvmbert.layer_norm_f32"  # PrimFunc attribute marking the kernel (build counts them)
 EPSILON_ATTR = "tvmbert.layer_norm_epsilon"  # on the fp32-writing kernel: what its quantizing variant needs
@@ -94,8 +94,11 @@ def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] 
                             yf[row, b * width + c] = (summed(xf, yf, row, b * width + c) - mean[0]) * scale[0] * gamma[b * width + c] \
                                 + beta[b * width + c]
 
-    def normalized(xf, gamma, beta, row, column, mean, scale):
+    def normalized(operands, row, column):
+        xf, gamma, beta, mean, scale = operands
         return (xf[row, column] - mean[0]) * scale[0] * gamma[column] + beta[column]
+
+    quantize_row = row_quantizer(width, vectors // chains)
 
     @T.prim_func(s_tir=True)
     def layer_norm_to_int8_rows(x: T.Buffer((*lead, n), "float32"), gamma: T.Buffer((n,), "float32"),
@@ -112,22 +115,7 @@ def kernel(rows: int, n: int, lanes: int, epsilon: float, lead: tuple[int, ...] 
                     mean = T.alloc_buffer((1,), "float32")
                     scale = T.alloc_buffer((1,), "float32")
                     statistics(xf, xf, xf, row, partial, mean, scale)
-                    for c in T.vectorized(width):
-                        partial[c] = T.float32(0)
-                    for b in range(vectors // chains):
-                        for c in T.vectorized(width):
-                            partial[c] = T.max(partial[c], T.fabs(normalized(xf, gamma, beta, row, b * width + c, mean, scale)))
-                    top = T.alloc_buffer((1,), "float32")
-                    top[0] = T.float32(0)
-                    for c in range(width):
-                        top[0] = T.max(top[0], partial[c])
-                    sx[row] = top[0] / T.float32(LEVELS)
-                    inverse = T.alloc_buffer((1,), "float32")
-                    inverse[0] = T.Select(top[0] > T.float32(0), T.float32(LEVELS) / top[0], T.float32(0))
-                    for b in range(vectors // chains):
-                        for c in T.vectorized(width):
-                            qf[row, b * width + c] = T.Cast(ROWS_DTYPE, round_half_even(
-                                normalized(xf, gamma, beta, row, b * width + c, mean, scale) * inverse[0]) + T.float32(ROW_OFFSET))
+                    quantize_row(normalized, (xf, gamma, beta, mean, scale), qf, sx, row)
 
     function = layer_norm_to_int8_rows if quantized else layer_norm
     assert isinstance(function, tvm.tirx.PrimFunc)
