@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tvmbert.core import targets
 from tvmbert.kernels import fma, int8
+from tvmbert.passes.pipeline import PassContext
 from tvmbert.tuning import record_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +43,8 @@ if HOST_AMX or HOST_AMX_INT8:  # tests that call an AMX kernel themselves, not t
 CUDA_PRESENT = targets.resolve("cuda").device_present()  # tests marked cuda run (on a lent GPU machine)
 # The instruction this CPU's int8 weight matmuls run on (kernels/int8.py, kernels/amx.py).
 HOST_INT8_INSTRUCTION = int8.AMX_INSTRUCTION if HOST_TARGET.has_amx_int8 else HOST_TARGET.int8_instruction
+# Where an int8 build's attention runs its matmuls in int8 (kernels/attention.vnni_int8_kernel).
+HOST_INT8_ATTENTION = PassContext("int8", HOST_TARGET).attention_in_int8
 # bert-tiny's fused Q/K/V projection (3 x 128 columns) on the FMA kernel: its panel width.
 QKV_PANEL = fma.tile(384, HOST_LANES)[1] * HOST_LANES if HOST_LANES else 0
 
@@ -53,6 +56,18 @@ ALIKE = ("--seq-len", "16")  # a shape every CPU's pipeline compiles alike (conf
 # Our kernels left out: the weight matmuls and layer norms are MetaSchedule's tasks on every CPU.
 NO_KERNELS = ("fma-fp32", "layer-norm-fp32")
 WITHOUT_KERNELS = tuple(arg for name in NO_KERNELS for arg in ("--disable", name))
+
+
+def emulated_quads(acc, row_word, weights, lanes):
+    """``vpdpbusd``'s arithmetic in plain vector ops (a ``DotProduct.accumulate``), for hosts without
+    VNNI: each lane adds its four u8 x s8 products."""
+    from tvm.script import tirx as T
+
+    products = T.Cast(f"int32x{4 * lanes}", T.reinterpret(row_word, dtype=f"uint8x{4 * lanes}")) \
+        * T.Cast(f"int32x{4 * lanes}", weights)
+    for j in range(4):
+        acc = acc + T.Shuffle([products], [4 * lane + j for lane in range(lanes)])
+    return acc
 
 
 def tune_in_background(log_dir: Path, workdir: Path, trials: int, records: int, **popen):

@@ -1,16 +1,19 @@
 """fp32 attention as one kernel: its numerics against float64 (masks of every broadcast, a fused
 Q/K/V projection's columns and separate operands, a fully masked row), and bert-tiny through it
 against PyTorch, where it applies and where it does not; the same for its AMX-BF16 variant (int8
-builds on AMX), against float64 with bf16's rounding of what it rounds."""
+builds on AMX), against float64 with bf16's rounding of what it rounds, and its int8 variant (int8
+builds on AVX-512 VNNI) against its quantization done in NumPy."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from tvmbert.kernels import attention
+from tvmbert.kernels import attention, int8
 
-from helpers import HOST, HOST_LANES, QKV_PANEL, build_meta, heap_buffers
+from helpers import HOST, HOST_LANES, HOST_TARGET, QKV_PANEL, build_meta, emulated_quads, heap_buffers
 
 MASKED = np.finfo(np.float32).min  # what transformers adds for a masked key
 
@@ -466,3 +469,71 @@ def test_amx_attention_matches_float64_within_bf16_probabilities_and_values(batc
 def test_amx_attention_takes_whole_blocks_of_tiles():
     assert attention.amx_bf16_fits(128, 64, 16) and attention.amx_bf16_fits(32, 32, 16)
     assert not attention.amx_bf16_fits(48, 64, 16) and not attention.amx_bf16_fits(32, 16, 16) and not attention.amx_bf16_fits(32, 64, 8)
+
+
+def _int8_attention(q, k, v, mask, scale):
+    """float64 attention of Q, K, V [B, H, S, D] as the int8 kernel quantizes them: Q and K per
+    row and V per column (symmetric, 127 levels, float32's quotients rounded half to even), the
+    probabilities as round(255 exp(score - row max)), P V divided by their sum."""
+    def levels(x, axis):
+        peak = np.abs(x).max(axis, keepdims=True)
+        inverse = np.where(peak > 0, np.float32(int8.LEVELS) / np.where(peak > 0, peak, 1), 0).astype(np.float32)
+        return np.rint(x * inverse).astype(np.float64), peak.astype(np.float64) / int8.LEVELS
+
+    (qq, sq), (kq, sk), (vq, sv) = levels(q, -1), levels(k, -1), levels(v, -2)
+    scores = qq @ kq.transpose(0, 1, 3, 2) * sq * scale * sk.transpose(0, 1, 3, 2) + mask
+    weights = np.rint(np.exp(scores - scores.max(-1, keepdims=True)) * 255)
+    return weights @ vq * sv / weights.sum(-1, keepdims=True)
+
+
+@pytest.mark.simd
+@pytest.mark.skipif(HOST_LANES != 16, reason="the int8 kernel is AVX-512's (its gathers, 16 lanes)")
+@pytest.mark.parametrize("batch, heads, seq, dim, window", [(2, 3, 64, 64, None), (1, 2, 96, 32, 20), (1, 1, 32, 16, None)])
+@pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
+@pytest.mark.parametrize("layout", ["fused", "packed", "panels"])
+def test_the_int8_kernel_computes_what_its_quantization_says(batch, heads, seq, dim, window, mask_shape, layout):
+    """Against its quantization in NumPy within one probability level of a row (an exp 1 ulp
+    from float64's may round to the next level), and against float64 unquantized within int8's
+    error; on ``vpdpbusd`` where this CPU has VNNI, else on its arithmetic emulated."""
+    import tvm
+
+    dot = int8.DOT_PRODUCTS["vpdpbusd"]
+    if HOST_TARGET.int8_instruction != "vpdpbusd":
+        dot = dataclasses.replace(dot, accumulate=emulated_quads)
+    rng = np.random.default_rng(5)
+    width, panel = heads * dim, 64 if layout == "panels" else 0
+    tokens = batch * seq - 5 if layout == "packed" else None
+    total = 3 * width + 64 + -3 * width % 64  # whole panels of 64
+    columns = rng.standard_normal((tokens or batch * seq, total), dtype=np.float32)
+    sources = [(total, 64 + i * width) for i in range(3)]
+    operands = [columns] * 3
+    if layout == "panels":  # as a projection's kernel writes them: [columns / panel, rows, panel]
+        operands = [np.ascontiguousarray(columns.reshape(len(columns), -1, panel).transpose(1, 0, 2))] * 3
+    rows = rng.integers(0, tokens, batch * seq).astype(np.int64) if tokens else np.zeros(1, "int32")
+    grid = columns[rows] if tokens else columns  # [batch * seq, C]: what the padded build would read
+    q, k, v = (_heads(grid, batch, seq, heads, dim, offset) for _, offset in sources)
+    mask = np.zeros((batch, 1, seq, seq))
+    given = None
+    if mask_shape:
+        given = np.where(rng.random((batch, 1, 1, seq) if mask_shape == "keys" else (batch, 1, seq, seq)) < 0.3, MASKED, 0)
+        given = given.astype(np.float32)
+        given[..., 0] = 0  # every row keeps a key
+        mask = mask + given
+    if window is not None:
+        at = np.arange(seq)
+        mask = np.where(np.abs(at[:, None] - at[None]) <= window, mask, MASKED)
+    function = attention.vnni_int8_kernel(batch, heads, seq, dim, 16, sources, given.shape if given is not None else None, 0.125,
+                                          tokens, panel, window, dot=dot)
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (*operands, given if given is not None else np.zeros(1, "float32"), rows)), y)
+    got = y.numpy().transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(got, _int8_attention(q, k, v, mask, 0.125), atol=np.abs(v).max() / 255, rtol=0)
+    np.testing.assert_allclose(got, _reference(q, k, v, mask, 0.125), atol=0.02 * np.abs(v).max(), rtol=0)
+    if dot.instruction == HOST_TARGET.int8_instruction:
+        assert "vpdpbusd" in library.mod.inspect_source("asm")
+
+
+def test_the_int8_kernel_takes_whole_score_tiles_of_keys_on_avx512():
+    assert attention.vnni_int8_fits(128, 64, 16) and attention.vnni_int8_fits(32, 16, 16)
+    assert not attention.vnni_int8_fits(48, 64, 16) and not attention.vnni_int8_fits(32, 8, 16) and not attention.vnni_int8_fits(32, 64, 8)

@@ -12,7 +12,7 @@ from tvmbert.core.errors import InputError
 from tvmbert.core.families import DEBERTA_V3, FAMILIES, PRESETS, TASKS
 from tvmbert.frontend import models
 
-from helpers import HOST_AMX, HOST_AMX_INT8, HOST_LANES, HOST_TARGET, WITHOUT_KERNELS, assert_one_line_error
+from helpers import HOST_AMX, HOST_AMX_INT8, HOST_INT8_ATTENTION, HOST_LANES, HOST_TARGET, WITHOUT_KERNELS, assert_one_line_error
 
 SMALL = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40)
@@ -323,7 +323,8 @@ def test_modernbert_rotates_q_and_k_in_its_projections_kernel_and_gates_in_its_m
 @pytest.mark.skipif(not HOST_LANES, reason="our kernels need AVX2 and FMA, which this CPU lacks")
 def test_modernbert_in_int8_rotates_in_its_projections_kernel_and_quantizes_in_its_norms(tvmbert, tmp_path):
     """In int8 as in fp32: with AVX-512 (and no AMX, whose tiles take the projection), the int8
-    Q/K/V projection writes head-major panels, Q's and K's rotated, for the attention kernel. The
+    Q/K/V projection writes head-major panels, Q's and K's rotated, for the attention kernel (its
+    matmuls in int8 with AVX-512 VNNI: the local layers' windowed, the global ones'). The
     norm before each projection and each MLP, read by nothing else, quantizes the rows itself:
     the one left unfused is the embeddings' (read by the first layer's residual too)."""
     folder = _save(tmp_path / "model", "ModernBertModel", **dict(MODERNBERT_SMALL, hidden_size=128, num_hidden_layers=3,
@@ -333,7 +334,8 @@ def test_modernbert_in_int8_rotates_in_its_projections_kernel_and_quantizes_in_i
     assert built.code == 0, built.stderr
     rotating = "int8_matmul_128x384x128_panels_rotary" in built.json["int8_kernels"]
     assert rotating == (HOST_LANES == HOST_TARGET.int8_lanes == 16 and not HOST_AMX_INT8), built.json
-    assert all(name.endswith("_panels64") == rotating for name in built.json["attention_kernels"]), built.json
+    assert all(("_panels64" in name) == rotating and name.endswith("_int8") == HOST_INT8_ATTENTION
+               for name in built.json["attention_kernels"]), built.json
     assert "layer_norm_2x64x128_to_int8_rows" in built.json["layer_norm_kernels"], built.json
     optimized = next((tmp_path / "work").glob("*/b2-s64-int8/optimize/module.py")).read_text()
     called = re.findall(r"R\.call_tir\(cls\.(\w+)", optimized.split("def main(")[1])

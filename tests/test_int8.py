@@ -17,19 +17,7 @@ from tvmbert.stages.bench.inference import engine_dtypes
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
 
-from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta, glu_through
-
-
-def emulated_quads(acc, row_word, weights, lanes):
-    """``vpdpbusd``'s arithmetic in plain vector ops: each lane adds its four u8 x s8 products."""
-    from tvm.script import tirx as T
-
-    products = T.Cast(f"int32x{4 * lanes}", T.reinterpret(row_word, dtype=f"uint8x{4 * lanes}")) \
-        * T.Cast(f"int32x{4 * lanes}", weights)
-    for j in range(4):
-        acc = acc + T.Shuffle([products], [4 * lane + j for lane in range(lanes)])
-    return acc
-
+from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta, emulated_quads, glu_through
 
 # The kernel with each dot product: VNNI's arithmetic runs on every host emulated; the instruction
 # itself where this CPU has it (else compiled below).
@@ -399,6 +387,20 @@ def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_every_matmul_on_vpdpbusd(tvmbert,
     meta = build_meta(workdir, "b1-s14-int8", target="llvm -mcpu=znver4")
     assert len(meta["int8_kernels"]) == 5
     assert meta["int8_instructions"]["vpdpbusd"] >= 5 * 9 and meta["int8_instructions"]["vpmaddubsw"] == 0
+
+
+def test_bert_tiny_in_int8_for_a_vnni_cpu_runs_its_attention_in_int8_where_its_tiles_fit(tvmbert, workdir):
+    """Compiled only (the kernel's numerics: test_attention.py): 32 tokens take the int8 attention
+    kernel's score tiles, 16 do not (fp32's kernel), and neither does AVX-512 without VNNI."""
+    target = "llvm -mcpu=znver4"
+    outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--seq-len", "32", "--target", target, "--json")
+    assert outcome.code == 0, outcome.stderr
+    assert build_meta(workdir, "b1-s32-int8", target=target)["attention_kernels"] == ["attention_1x2x32x64_masked_panels64_int8"]
+    for seq, mattr in (("16", ""), ("32", " -mattr=-avx512vnni")):
+        outcome = tvmbert("optimize", "bert-tiny", "--dtype", "int8", "--seq-len", seq, "--target", target + mattr, "--json")
+        assert outcome.code == 0, outcome.stderr
+        attentions = [name for name in outcome.json["ops_after"] if name.startswith("tir:attention")]
+        assert attentions and not any("_int" in name for name in attentions), attentions  # (op counts drop a name's digits)
 
 
 @pytest.mark.slow

@@ -840,7 +840,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                             scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(scale_by, lanes) \
                                 + positions.scores(seq, lanes, index, i0 * TILE + i, c * lanes,
                                                    *positions.product_rows(by_query, by_key, bh, i0 * TILE + i, c * lanes))
-                    for x in T.vectorized(lanes):
+                    for x in T.vectorized(INT8_KEYS):
                         partial[x] = T.float32(-3.4028234663852886e38)
                     for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                         for x in T.vectorized(lanes):
@@ -867,3 +867,202 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
             T.evaluate(tile_instruction("tilerelease"))
 
     return _attention_function(grid, positions, {KERNEL_ATTR: True, AMX_KERNEL_ATTR: True}, "attention_amx_tiles", every_head, out_dtype)
+
+
+INT8_KEYS = 32  # keys a score tile of the int8 kernel: two vectors of 16
+INT8_BLOCK_ROWS = 32  # query rows whose scores and probabilities the int8 kernel keeps at a time
+INT8_SCORE_ROWS = 8  # query rows a score tile (two accumulator buffers of 4: fma.STACK_BYTES)
+INT8_OUTPUT_ROWS = 4  # query rows a P V tile (two buffers of 2, each up to 4 vectors wide)
+PROBABILITY_LEVELS = 255  # a probability (at most 1, the row's largest) as uint8
+QUAD_BIAS = -2139062144  # 0x80808080: each byte of a quad moved from uint8 (+128) to int8
+
+
+def vnni_int8_fits(seq: int, dim: int, lanes: int) -> bool:
+    """Whether ``vnni_int8_kernel`` takes a head: whole score tiles of keys, whole vectors of its columns."""
+    return lanes == 16 and seq % INT8_KEYS == 0 and seq % INT8_BLOCK_ROWS == 0 and dim % lanes == 0
+
+
+def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
+                     scale: float | None, tokens: int | None = None, panel: int = 0, window: int | None = None, *, dot):
+    """``kernel``'s attention (same operands and output) with its two matmuls in int8 on ``dot``
+    (``kernels/int8.DOT_PRODUCTS``' ``vpdpbusd``: 64 products an instruction where an FMA does 16),
+    for int8 builds on AVX-512 VNNI without AMX, where the fp32 kernel was a sixth of
+    modernbert-base's int8 time (docs/benchmarks.md). What ONNX Runtime's dynamic quantization and
+    NNCF do to these two matmuls, per row here rather than per tensor:
+
+    - Q and K per (token, head) row, symmetric, as ``kernels/int8.row_quantizer`` quantizes a
+      matmul's rows (Q unsigned with its +128, K signed; each key's scores start from ``-128 x
+      sum_d K[j, d]``, which takes Q's offset back exactly);
+    - V per (head, column) over the sequence's tokens, symmetric;
+    - the probabilities ``exp(score - row max)``, at most 1, as ``round(255 p)`` in uint8, and
+      P V divided by the sum of those levels, so that a row's weights sum to 1.
+
+    Scale, mask, max and exp in fp32, as in ``kernel``. Per (sequence, head): Q's and K's rows
+    quantized, K^T's quads by hardware gathers of K's (as ``amx_bf16_kernel``), V's quads four
+    rows interleaved; then blocks of INT8_BLOCK_ROWS query rows: their scores over the block's
+    key span, the probabilities, P V. With ``window``, only the key tiles within it. No
+    DeBERTa position scores (its builds keep the fp32 kernel)."""
+    from tvm.script import tirx as T
+
+    from tvmbert.kernels.int8 import LEVELS, ROW_OFFSET, ROWS_DTYPE, round_half_even, row_quantizer
+
+    assert vnni_int8_fits(seq, dim, lanes), (seq, dim, lanes)
+    grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
+    span = key_span(seq, INT8_BLOCK_ROWS, window, INT8_KEYS)
+    windowed = window_mask(window)
+    masked, scale_by = grid.masked, T.float32(scale if scale is not None else 1.0)
+    words = dim // 4  # a row's quads: one int32 of four values
+    score_half, output_half = INT8_SCORE_ROWS // 2, INT8_OUTPUT_ROWS // 2
+    out_width = vectors_per_tile(dim // lanes, lanes) * lanes
+    quantize_row = row_quantizer(lanes, dim // lanes)
+
+    def query(operands, s, column):
+        return grid.head_row(operands[0], operands[1], 0, operands[2], s, column // lanes, column % lanes)
+
+    def key(operands, s, column):
+        return grid.head_row(operands[0], operands[1], 1, operands[2], s, column // lanes, column % lanes)
+
+    def across_lanes(partial, combine):
+        return _across_lanes(partial, lanes, combine)
+
+    def quads(acc, word, weights):  # acc (int32 x lanes) += word's four uint8 . each lane's four int8 of weights
+        return dot.accumulate(acc, T.broadcast(word, lanes), weights, lanes)
+
+    @T.macro
+    def score_tile(qq32, kt8, ck, acc, first_row, c):
+        for i in T.unroll(score_half):
+            for v in T.unroll(INT8_KEYS // lanes):
+                acc[i, T.ramp(v * lanes, 1, lanes)] = ck[T.ramp(c * INT8_KEYS + v * lanes, 1, lanes)]
+        for w in range(words):
+            for i in T.unroll(score_half):
+                for v in T.unroll(INT8_KEYS // lanes):
+                    acc[i, T.ramp(v * lanes, 1, lanes)] = quads(acc[i, T.ramp(v * lanes, 1, lanes)], qq32[first_row + i, w],
+                                                                kt8[w, T.ramp((c * INT8_KEYS + v * lanes) * 4, 1, 4 * lanes)])
+
+    @T.macro
+    def score_store(mask, scores, sq, sk, acc, bh, local, first_row, c):
+        for i in T.unroll(score_half):
+            for x in T.vectorized(INT8_KEYS):
+                if masked:
+                    scores[local + i, c * INT8_KEYS + x] = windowed(
+                        first_row + i, c * INT8_KEYS + x, T.Cast("float32", acc[i, x]) * (sq[first_row + i] * scale_by) * sk[c * INT8_KEYS + x]
+                        + grid.mask_at(mask, bh // heads, bh % heads, first_row + i, c * INT8_KEYS + x))
+                else:
+                    scores[local + i, c * INT8_KEYS + x] = windowed(
+                        first_row + i, c * INT8_KEYS + x, T.Cast("float32", acc[i, x]) * (sq[first_row + i] * scale_by) * sk[c * INT8_KEYS + x])
+
+    @T.macro
+    def output_tile(pq32, vq8, acc, local, c, first_key, end_key):
+        for i in T.unroll(output_half):
+            for x in T.vectorized(out_width):
+                acc[i, x] = T.int32(0)
+        for w in range(first_key // 4, end_key // 4):
+            for i in T.unroll(output_half):
+                for v in T.unroll(out_width // lanes):
+                    acc[i, T.ramp(v * lanes, 1, lanes)] = quads(acc[i, T.ramp(v * lanes, 1, lanes)], pq32[local + i, w],
+                                                                vq8[w, T.ramp((c * out_width + v * lanes) * 4, 1, 4 * lanes)])
+
+    @T.macro
+    def output_store(y, sv, totals, acc, bh, local, first_row, c):
+        for i in T.unroll(output_half):
+            for x in T.vectorized(out_width):
+                y[bh // heads, first_row + i, bh % heads, c * out_width + x] = \
+                    T.Cast("float32", acc[i, x]) * sv[c * out_width + x] / totals[local + i]
+
+    @T.macro
+    def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
+        for bh in T.parallel(batch * heads):
+            qq = T.alloc_buffer((seq, dim), ROWS_DTYPE)  # Q's rows quantized (+128)
+            sq = T.alloc_buffer((seq,), "float32")
+            kr = T.alloc_buffer((seq, dim), ROWS_DTYPE)  # K's rows quantized (+128)
+            sk = T.alloc_buffer((seq,), "float32")
+            kt = T.alloc_buffer((words, seq), "int32")  # K^T's quads: kt[w, j] = K[j, 4w .. 4w + 3] in int8
+            ck = T.alloc_buffer((seq,), "int32")  # each key's scores' start: -128 x sum_d K[j, d]
+            vq = T.alloc_buffer((seq // 4, dim), "int32")  # V's quads: vq[j / 4, d] = V[j .. j + 3, d] in int8
+            sv = T.alloc_buffer((dim,), "float32")
+            inverse = T.alloc_buffer((dim,), "float32")
+            scores = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "float32")  # a block of query rows' scores
+            pq = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # their probabilities' levels
+            totals = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")
+            acc_top = T.alloc_buffer((score_half, INT8_KEYS), "int32")
+            acc_bottom = T.alloc_buffer((score_half, INT8_KEYS), "int32")
+            out_top = T.alloc_buffer((output_half, out_width), "int32")
+            out_bottom = T.alloc_buffer((output_half, out_width), "int32")
+            partial = T.alloc_buffer((lanes,), "float32")
+            sums = T.alloc_buffer((lanes,), "int32")
+            row_max = T.alloc_buffer((1,), "float32")
+            qq32 = T.decl_buffer((seq, words), "int32", data=qq.data)
+            kt8 = T.decl_buffer((words, seq * 4), "int8", data=kt.data)
+            vq8 = T.decl_buffer((seq // 4, dim * 4), "int8", data=vq.data)
+            pq32 = T.decl_buffer((INT8_BLOCK_ROWS, seq // 4), "int32", data=pq.data)
+            for s in range(seq):
+                quantize_row(query, (q, rows, bh), qq, sq, s)
+                quantize_row(key, (k, rows, bh), kr, sk, s)
+            # K^T's quads: a quad of K's row is an int32 of its bytes, so kt is the transpose of
+            # those rows' int32s, a hardware gather of a key's quad per lane (the offset taken off)
+            for w in range(words):
+                for j0 in range(seq // lanes):
+                    kt[w, T.ramp(j0 * lanes, 1, lanes)] = T.reinterpret(f"int32x{lanes}", gather_floats(
+                        T.address_of(kr[0, 0]), T.ramp(j0 * lanes * words + w, words, lanes), lanes)) ^ T.broadcast(T.int32(QUAD_BIAS), lanes)
+            for j0 in range(seq // lanes):
+                for x in T.vectorized(lanes):
+                    sums[x] = T.int32(0)
+                for w in range(words):
+                    sums[T.ramp(0, 1, lanes)] = quads(sums[T.ramp(0, 1, lanes)], T.int32(0x01010101), kt8[w, T.ramp(j0 * lanes * 4, 1, 4 * lanes)])
+                for x in T.vectorized(lanes):
+                    ck[j0 * lanes + x] = sums[x] * T.int32(-ROW_OFFSET)
+            # V's columns' scales over the sequence, then its quads: four rows' levels, a byte each
+            for d in T.vectorized(dim):
+                inverse[d] = T.float32(0)
+            for s in range(seq):
+                for d0 in range(dim // lanes):
+                    for x in T.vectorized(lanes):
+                        inverse[d0 * lanes + x] = T.max(inverse[d0 * lanes + x], T.fabs(grid.head_row(v, rows, 2, bh, s, d0, x)))
+            for d in T.vectorized(dim):
+                sv[d] = inverse[d] / T.float32(LEVELS)
+                inverse[d] = T.Select(inverse[d] > T.float32(0), T.float32(LEVELS) / inverse[d], T.float32(0))
+            for s4 in range(seq // 4):
+                for d0 in range(dim // lanes):
+                    for x in T.vectorized(lanes):
+                        vq[s4, d0 * lanes + x] = \
+                            (T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4, d0, x) * inverse[d0 * lanes + x])) & 255) \
+                            | (T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4 + 1, d0, x) * inverse[d0 * lanes + x])) & 255) << 8 \
+                            | (T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4 + 2, d0, x) * inverse[d0 * lanes + x])) & 255) << 16 \
+                            | T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4 + 3, d0, x) * inverse[d0 * lanes + x])) << 24
+            for i0 in range(seq // INT8_BLOCK_ROWS):
+                first_key, end_key = span.first(i0 * INT8_BLOCK_ROWS), span.end(i0 * INT8_BLOCK_ROWS)
+                # scores = Q K^T * scale + mask, INT8_SCORE_ROWS x INT8_KEYS a tile
+                for t in range(INT8_BLOCK_ROWS // INT8_SCORE_ROWS):
+                    for c in range(first_key // INT8_KEYS, end_key // INT8_KEYS):
+                        score_tile(qq32, kt8, ck, acc_top, i0 * INT8_BLOCK_ROWS + t * INT8_SCORE_ROWS, c)
+                        score_tile(qq32, kt8, ck, acc_bottom, i0 * INT8_BLOCK_ROWS + t * INT8_SCORE_ROWS + score_half, c)
+                        score_store(mask, scores, sq, sk, acc_top, bh, t * INT8_SCORE_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_SCORE_ROWS, c)
+                        score_store(mask, scores, sq, sk, acc_bottom, bh, t * INT8_SCORE_ROWS + score_half,
+                                    i0 * INT8_BLOCK_ROWS + t * INT8_SCORE_ROWS + score_half, c)
+                # softmax's max and exp over each row, the probabilities' levels and their sum
+                for i in range(INT8_BLOCK_ROWS):
+                    for x in T.vectorized(lanes):
+                        partial[x] = T.float32(-3.4028234663852886e38)
+                    for c in range(first_key // lanes, end_key // lanes):
+                        for x in T.vectorized(lanes):
+                            partial[x] = T.max(partial[x], scores[i, c * lanes + x])
+                    row_max[0] = across_lanes(partial, T.max)
+                    for x in T.vectorized(lanes):
+                        partial[x] = T.float32(0)
+                    for c in range(first_key // lanes, end_key // lanes):
+                        for x in T.vectorized(lanes):
+                            scores[i, c * lanes + x] = round_half_even(
+                                exp_float32(scores[i, c * lanes + x] - row_max[0]) * T.float32(PROBABILITY_LEVELS))
+                            pq[i, c * lanes + x] = T.Cast("uint8", scores[i, c * lanes + x])
+                            partial[x] = partial[x] + scores[i, c * lanes + x]
+                    totals[i] = across_lanes(partial, lambda a, b: a + b)
+                # y = P V / sum
+                for t in range(INT8_BLOCK_ROWS // INT8_OUTPUT_ROWS):
+                    for c in range(dim // out_width):
+                        output_tile(pq32, vq8, out_top, t * INT8_OUTPUT_ROWS, c, first_key, end_key)
+                        output_tile(pq32, vq8, out_bottom, t * INT8_OUTPUT_ROWS + output_half, c, first_key, end_key)
+                        output_store(y, sv, totals, out_top, bh, t * INT8_OUTPUT_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS, c)
+                        output_store(y, sv, totals, out_bottom, bh, t * INT8_OUTPUT_ROWS + output_half,
+                                     i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS + output_half, c)
+
+    return _attention_function(grid, None, {KERNEL_ATTR: True}, "attention_int8_tiles", every_head)

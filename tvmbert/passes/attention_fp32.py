@@ -4,7 +4,8 @@ head transposes around them) found in the graph and replaced by one call of the 
 
 from __future__ import annotations
 
-from tvmbert.kernels.attention import Positions, amx_bf16_fits, amx_bf16_kernel, fits, kernel
+from tvmbert.kernels import int8 as int8_kernels
+from tvmbert.kernels.attention import Positions, amx_bf16_fits, amx_bf16_kernel, fits, kernel, vnni_int8_fits, vnni_int8_kernel
 from tvmbert.passes import fma_fp32, int8_matmuls
 from tvmbert.passes.attention_graph import Attention, find, mask_operand, row_major
 
@@ -96,7 +97,7 @@ def _panel_sources(module, function, flow, found: dict, outputs: dict, lanes: in
     return candidates, {var: attention for var, attention in rotated.items() if attention.sources[0][0] in candidates}
 
 
-def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = False):
+def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = False, int8: bool = False):
     """The module pass: each fp32 ``matmul(softmax(matmul(Q, K^T) [* or / scale] [+ mask]), V)``
     whose Q, K and V are head-major views of row-major [tokens, heads x dim] values (reshapes,
     transposes, the split or slices of a fused projection; in a packed build, their gather into
@@ -110,7 +111,9 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
     with no [batch x heads, seq, seq] tensor of them. With ``amx_bf16``, the
     kernel's matmuls run on AMX-BF16 where its tiles fit (``kernels/attention.amx_bf16_kernel``),
     its scores from one bf16 product with ``bf16_scores`` (bf16 builds), else three; and where
-    only a cast to bf16 reads its result (``casts_to_bf16``), it writes bf16."""
+    only a cast to bf16 reads its result (``casts_to_bf16``), it writes bf16. With ``int8``, on
+    ``vpdpbusd`` in int8 where its tiles fit and there are no position scores
+    (``kernels/attention.vnni_int8_kernel``)."""
     from tvm import relax
 
     from tvmbert.ir.dataflow import cast_through_reshapes, dataflow, readers, unread
@@ -141,6 +144,12 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             _, _, seq, dim = found.shape
             return amx_bf16 and amx_bf16_fits(seq, dim, lanes)
 
+        @staticmethod
+        def in_int8(found: Attention) -> bool:
+            """Whether the attention runs on the int8 kernel."""
+            _, _, seq, dim = found.shape
+            return int8 and not found.positions and vnni_int8_fits(seq, dim, lanes)
+
         def casts_to_bf16(self, flow) -> dict:
             """The attentions on AMX whose result only a cast to bf16 reads (through reshapes to
             [tokens, heads x dim]: a bf16 build's next projection), P V var -> that cast's var:
@@ -159,16 +168,21 @@ def attention_rewrite(lanes: int, amx_bf16: bool = False, bf16_scores: bool = Fa
             batch, heads, seq, dim = found.shape
             columns = tuple((c, o) for _, c, o in found.sources)
             mask_shape = tuple(int(d) for d in mask.ty.shape) if mask is not None else None
+            in_int8 = not on_amx and self.in_int8(found)
             key = (found.shape, columns, mask_shape, found.scale, found.tokens, panel, found.window, positions, out_dtype)
             if key not in self.kernels:
                 scores = {"bf16_scores": bf16_scores, "out_dtype": out_dtype} if on_amx else {}
-                function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
-                                                                     found.tokens, panel, found.window, positions, **scores)
+                if in_int8:
+                    function = vnni_int8_kernel(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale, found.tokens, panel,
+                                                found.window, dot=int8_kernels.DOT_PRODUCTS["vpdpbusd"])
+                else:
+                    function = (amx_bf16_kernel if on_amx else kernel)(batch, heads, seq, dim, lanes, columns, mask_shape, found.scale,
+                                                                         found.tokens, panel, found.window, positions, **scores)
                 name = f"attention_{batch}x{heads}x{seq}x{dim}" + ("_masked" if mask_shape else "") \
                     + (f"_window{found.window}" if found.window is not None else "") \
                     + (f"_packed{found.tokens}" if found.tokens is not None else "") + (f"_panels{panel}" if panel else "") \
                     + ("_positions" if positions is not None else "") \
-                    + ("_amx" if on_amx else "") + ("_bf16_scores" if on_amx and bf16_scores else "") \
+                    + ("_amx" if on_amx else "") + ("_bf16_scores" if on_amx and bf16_scores else "") + ("_int8" if in_int8 else "") \
                     + (f"_to_{out_dtype}" if out_dtype != "float32" else "")
                 self.kernels[key] = self.builder_.add_func(function.without_attr("global_symbol"), name)
             return self.kernels[key]

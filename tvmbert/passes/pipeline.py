@@ -47,6 +47,16 @@ class PassContext:
         torch.compile's bf16; all-MiniLM-L6-v2's accuracy stays int8's and bf16's (docs/precision.md)."""
         return self.dtype in ("int8", "bfloat16") and self.target is not None and self.target.has_amx_bf16
 
+    @property
+    def attention_in_int8(self) -> bool:
+        """Attention's two matmuls in int8 on ``vpdpbusd`` (Q and K per row, V per column, the
+        probabilities in 255 levels: ``kernels/attention.vnni_int8_kernel``), for int8 on AVX-512
+        VNNI without AMX: the fp32 kernel was a sixth of modernbert-base's int8 time at 8 x 128 on
+        Zen 4, as ONNX Runtime's and NNCF's int8 quantize these matmuls too (docs/precision.md)."""
+        target = self.target
+        return (self.dtype == "int8" and target is not None and not self.attention_on_amx and target.fp32_lanes == 16
+                and target.int8_lanes == 16 and target.int8_instruction == "vpdpbusd")
+
 
 @dataclass(frozen=True)
 class GraphPass:
@@ -131,7 +141,7 @@ def _attention_fp32(context):
     # A bf16 build's Q and K are bf16 as a bf16 model's are: its scores one bf16 product (an int8
     # build's three, about 16 bits: docs/precision.md).
     return [attention_rewrite(context.target.fp32_lanes, amx_bf16=context.attention_on_amx,
-                              bf16_scores=context.dtype == "bfloat16")]
+                              bf16_scores=context.dtype == "bfloat16", int8=context.attention_in_int8)]
 
 
 def _fast_math(_context):
