@@ -492,9 +492,10 @@ def _int8_attention(q, k, v, mask, scale):
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("layout", ["fused", "packed", "panels"])
 def test_the_int8_kernel_computes_what_its_quantization_says(batch, heads, seq, dim, window, mask_shape, layout):
-    """Against its quantization in NumPy within one probability level of a row (an exp 1 ulp
-    from float64's may round to the next level), and against float64 unquantized within int8's
-    error; on ``vpdpbusd`` where this CPU has VNNI, else on its arithmetic emulated."""
+    """Against its quantization in NumPy within one probability level of a row (its exp, within
+    2.4e-6 of float64's, may round a probability to the next level), and against float64
+    unquantized within int8's error; on ``vpdpbusd`` where this CPU has VNNI, else on its
+    arithmetic emulated."""
     import tvm
 
     dot = int8.DOT_PRODUCTS["vpdpbusd"]

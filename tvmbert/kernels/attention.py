@@ -690,13 +690,11 @@ def _pairs(first, second, lanes: int):
     return T.Cast(f"uint32x{lanes}", second) << T.uint32(16) | T.Cast(f"uint32x{lanes}", first)
 
 
-def bf16_probabilities(scores, row_max, lanes: int):
-    """TIR: ``exp(scores - row_max)`` rounded to bf16 (its bits as uint16) for a vector of 16 scores
-    (AVX-512 with AVX512-BF16, as every AMX CPU has), in 16 instructions where ``exp_float32``
-    and the rounding by integer operations took 30, the softmax's cost on tiles (43% of the AMX
-    kernel at 512 tokens): 2^t (t the score in bits) as a polynomial in t's fraction, scaled by
-    ``vscalefps`` by its integer part, rounded half to even by ``vcvtneps2bf16``. A masked
-    score (-3.4e38) gives 2^-125, not 0: 1e-38 of a row's weight, which no sum of fp32 keeps."""
+def _exp_of_difference(scores, row_max, lanes: int, factor: float = 1.0):
+    """TIR: ``factor x exp(scores - row_max)`` for a vector of 16 scores (AVX-512): 2^t (t the
+    score in bits) as a polynomial in t's fraction (times ``factor``), scaled by ``vscalefps`` by
+    its integer part, within 2.4e-6 of it. A masked score (-3.4e38) gives 2^-125, not 0: 1e-38
+    of a row's weight, which no sum of fp32 keeps."""
     from tvm import tirx
     from tvm.script import tirx as T
 
@@ -708,11 +706,19 @@ def bf16_probabilities(scores, row_max, lanes: int):
     t = T.max((scores - T.Broadcast(row_max, lanes)) * vector(LOG2_E), vector(EXP2_FLOOR))
     whole_part = _llvm_vector_call(f"float32x{lanes}", "llvm.roundeven", t)
     fraction = t - whole_part
-    power = vector(EXP2_POLYNOMIAL[0])
+    power = vector(EXP2_POLYNOMIAL[0] * factor)
     for coefficient in EXP2_POLYNOMIAL[1:]:
-        power = power * fraction + vector(coefficient)
-    return _bf16_bits(_llvm_vector_call(f"float32x{lanes}", "llvm.x86.avx512.mask.scalef.ps.512", power, whole_part, power,
-                                        tirx.const(-1, "int16"), T.int32(4)), lanes)
+        power = power * fraction + vector(coefficient * factor)
+    return _llvm_vector_call(f"float32x{lanes}", "llvm.x86.avx512.mask.scalef.ps.512", power, whole_part, power,
+                             tirx.const(-1, "int16"), T.int32(4))
+
+
+def bf16_probabilities(scores, row_max, lanes: int):
+    """TIR: ``exp(scores - row_max)`` rounded to bf16 (its bits as uint16) for a vector of 16 scores
+    (AVX-512 with AVX512-BF16, as every AMX CPU has), in 16 instructions where ``exp_float32``
+    and the rounding by integer operations took 30, the softmax's cost on tiles (43% of the AMX
+    kernel at 512 tokens): ``_exp_of_difference``, rounded half to even by ``vcvtneps2bf16``."""
+    return _bf16_bits(_exp_of_difference(scores, row_max, lanes), lanes)
 
 
 def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sources, mask_shape: tuple[int, ...] | None,
@@ -967,7 +973,7 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
         for i in T.unroll(output_half):
             for x in T.vectorized(out_width):
                 y[bh // heads, first_row + i, bh % heads, c * out_width + x] = \
-                    T.Cast("float32", acc[i, x]) * sv[c * out_width + x] / totals[local + i]
+                    T.Cast("float32", acc[i, x]) * sv[c * out_width + x] * totals[local + i]
 
     @T.macro
     def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
@@ -983,7 +989,7 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
             inverse = T.alloc_buffer((dim,), "float32")
             scores = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "float32")  # a block of query rows' scores
             pq = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # their probabilities' levels
-            totals = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")
+            totals = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")  # 1 / the sum of a row's levels
             acc_top = T.alloc_buffer((score_half, INT8_KEYS), "int32")
             acc_bottom = T.alloc_buffer((score_half, INT8_KEYS), "int32")
             out_top = T.alloc_buffer((output_half, out_width), "int32")
@@ -1050,12 +1056,11 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                     for x in T.vectorized(lanes):
                         partial[x] = T.float32(0)
                     for c in range(first_key // lanes, end_key // lanes):
-                        for x in T.vectorized(lanes):
-                            scores[i, c * lanes + x] = round_half_even(
-                                exp_float32(scores[i, c * lanes + x] - row_max[0]) * T.float32(PROBABILITY_LEVELS))
-                            pq[i, c * lanes + x] = T.Cast("uint8", scores[i, c * lanes + x])
-                            partial[x] = partial[x] + scores[i, c * lanes + x]
-                    totals[i] = across_lanes(partial, lambda a, b: a + b)
+                        scores[i, T.Ramp(c * lanes, 1, lanes)] = _llvm_vector_call(f"float32x{lanes}", "llvm.roundeven", _exp_of_difference(
+                            scores[i, T.Ramp(c * lanes, 1, lanes)], row_max[0], lanes, PROBABILITY_LEVELS))
+                        pq[i, T.Ramp(c * lanes, 1, lanes)] = T.Cast(f"uint8x{lanes}", scores[i, T.Ramp(c * lanes, 1, lanes)])
+                        partial[T.Ramp(0, 1, lanes)] = partial[T.Ramp(0, 1, lanes)] + scores[i, T.Ramp(c * lanes, 1, lanes)]
+                    totals[i] = T.float32(1) / across_lanes(partial, lambda a, b: a + b)
                 # y = P V / sum
                 for t in range(INT8_BLOCK_ROWS // INT8_OUTPUT_ROWS):
                     for c in range(dim // out_width):
