@@ -472,18 +472,21 @@ def test_amx_attention_takes_whole_blocks_of_tiles():
 
 
 def _int8_attention(q, k, v, mask, scale):
-    """float64 attention of Q, K, V [B, H, S, D] as the int8 kernel quantizes them: Q and K per
-    row and V per column (symmetric, 127 levels, float32's quotients rounded half to even), the
-    probabilities as round(255 exp(score - row max)), P V divided by their sum."""
-    def levels(x, axis):
-        peak = np.abs(x).max(axis, keepdims=True)
+    """float64 attention of Q, K, V [B, H, S, D] as the int8 kernel quantizes them: Q, K and V
+    per row (symmetric, 127 levels, float32's quotients rounded half to even), the weights
+    ``w = exp(score - row max) x V's row scale`` as round(255 w / max w), P V rescaled by
+    max w / 255 and divided by the sum of the exps."""
+    def levels(x):
+        peak = np.abs(x).max(-1, keepdims=True)
         inverse = np.where(peak > 0, np.float32(int8.LEVELS) / np.where(peak > 0, peak, 1), 0).astype(np.float32)
         return np.rint(x * inverse).astype(np.float64), peak.astype(np.float64) / int8.LEVELS
 
-    (qq, sq), (kq, sk), (vq, sv) = levels(q, -1), levels(k, -1), levels(v, -2)
+    (qq, sq), (kq, sk), (vq, sv) = levels(q), levels(k), levels(v)
     scores = qq @ kq.transpose(0, 1, 3, 2) * sq * scale * sk.transpose(0, 1, 3, 2) + mask
-    weights = np.rint(np.exp(scores - scores.max(-1, keepdims=True)) * 255)
-    return weights @ vq * sv / weights.sum(-1, keepdims=True)
+    exps = np.exp(scores - scores.max(-1, keepdims=True))
+    weights = exps * sv.transpose(0, 1, 3, 2)
+    largest = weights.max(-1, keepdims=True)
+    return np.rint(weights * 255 / largest) @ vq * largest / 255 / exps.sum(-1, keepdims=True)
 
 
 @pytest.mark.simd
@@ -492,10 +495,9 @@ def _int8_attention(q, k, v, mask, scale):
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("layout", ["fused", "packed", "panels"])
 def test_the_int8_kernel_computes_what_its_quantization_says(batch, heads, seq, dim, window, mask_shape, layout):
-    """Against its quantization in NumPy within one probability level of a row (its exp, within
-    2.4e-6 of float64's, may round a probability to the next level), and against float64
-    unquantized within int8's error; on ``vpdpbusd`` where this CPU has VNNI, else on its
-    arithmetic emulated."""
+    """Against its quantization in NumPy within one weight level of a row (its exp, within 2.4e-6
+    of float64's, may round a weight to the next level), and against float64 unquantized within
+    int8's error; on ``vpdpbusd`` where this CPU has VNNI, else on its arithmetic emulated."""
     import tvm
 
     dot = int8.DOT_PRODUCTS["vpdpbusd"]

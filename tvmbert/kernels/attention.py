@@ -879,7 +879,7 @@ INT8_KEYS = 32  # keys a score tile of the int8 kernel: two vectors of 16
 INT8_BLOCK_ROWS = 32  # query rows whose scores and probabilities the int8 kernel keeps at a time
 INT8_SCORE_ROWS = 8  # query rows a score tile (two accumulator buffers of 4: fma.STACK_BYTES)
 INT8_OUTPUT_ROWS = 4  # query rows a P V tile (two buffers of 2, each up to 4 vectors wide)
-PROBABILITY_LEVELS = 255  # a probability (at most 1, the row's largest) as uint8
+PROBABILITY_LEVELS = 255  # a weight of P V (at most its row's largest) as uint8
 QUAD_BIAS = -2139062144  # 0x80808080: each byte of a quad moved from uint8 (+128) to int8
 
 
@@ -899,18 +899,21 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
     - Q and K per (token, head) row, symmetric, as ``kernels/int8.row_quantizer`` quantizes a
       matmul's rows (Q unsigned with its +128, K signed; each key's scores start from ``-128 x
       sum_d K[j, d]``, which takes Q's offset back exactly);
-    - V per (head, column) over the sequence's tokens, symmetric;
-    - the probabilities ``exp(score - row max)``, at most 1, as ``round(255 p)`` in uint8, and
-      P V divided by the sum of those levels, so that a row's weights sum to 1.
+    - V per (token, head) row too, its scale folded into the weights: ``w_j = exp(score_j - row
+      max) x sv_j``, quantized per query row as ``round(255 w / max w)`` in uint8, and P V
+      rescaled by ``max w / 255`` and divided by the sum of the exps (fp32). V per column, with
+      the probabilities' levels at most 1, had 4x the error on all-MiniLM-L6-v2's real
+      activations (a few tokens' large V coarsened every other's; the small weights' levels
+      lost the most, 2-4% of a layer's output where this loses 0.6-1%).
 
-    Scale, mask, max and exp in fp32, as in ``kernel``. Per (sequence, head): Q's and K's rows
-    quantized, K^T's quads by hardware gathers of K's (as ``amx_bf16_kernel``), V's quads four
-    rows interleaved; then blocks of INT8_BLOCK_ROWS query rows: their scores over the block's
-    key span, the probabilities, P V. With ``window``, only the key tiles within it. No
+    Scale, mask, max and exp in fp32, as in ``kernel``. Per (sequence, head): Q's, K's
+    and V's rows quantized, K^T's quads by hardware gathers of K's (as ``amx_bf16_kernel``), V's
+    quads four rows interleaved; then blocks of INT8_BLOCK_ROWS query rows: their scores over the
+    block's key span, the weights, P V. With ``window``, only the key tiles within it. No
     DeBERTa position scores (its builds keep the fp32 kernel)."""
     from tvm.script import tirx as T
 
-    from tvmbert.kernels.int8 import LEVELS, ROW_OFFSET, ROWS_DTYPE, round_half_even, row_quantizer
+    from tvmbert.kernels.int8 import ROW_OFFSET, ROWS_DTYPE, row_quantizer
 
     assert vnni_int8_fits(seq, dim, lanes), (seq, dim, lanes)
     grid = _Grid(batch, heads, seq, dim, lanes, sources, mask_shape, tokens, panel)
@@ -927,6 +930,9 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
 
     def key(operands, s, column):
         return grid.head_row(operands[0], operands[1], 1, operands[2], s, column // lanes, column % lanes)
+
+    def value(operands, s, column):
+        return grid.head_row(operands[0], operands[1], 2, operands[2], s, column // lanes, column % lanes)
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, lanes, combine)
@@ -969,11 +975,10 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                                                                 vq8[w, T.ramp((c * out_width + v * lanes) * 4, 1, 4 * lanes)])
 
     @T.macro
-    def output_store(y, sv, totals, acc, bh, local, first_row, c):
+    def output_store(y, rescale, acc, bh, local, first_row, c):
         for i in T.unroll(output_half):
             for x in T.vectorized(out_width):
-                y[bh // heads, first_row + i, bh % heads, c * out_width + x] = \
-                    T.Cast("float32", acc[i, x]) * sv[c * out_width + x] * totals[local + i]
+                y[bh // heads, first_row + i, bh % heads, c * out_width + x] = T.Cast("float32", acc[i, x]) * rescale[local + i]
 
     @T.macro
     def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
@@ -984,12 +989,14 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
             sk = T.alloc_buffer((seq,), "float32")
             kt = T.alloc_buffer((words, seq), "int32")  # K^T's quads: kt[w, j] = K[j, 4w .. 4w + 3] in int8
             ck = T.alloc_buffer((seq,), "int32")  # each key's scores' start: -128 x sum_d K[j, d]
+            vr = T.alloc_buffer((seq, dim), ROWS_DTYPE)  # V's rows quantized (+128)
+            sv = T.alloc_buffer((seq,), "float32")
             vq = T.alloc_buffer((seq // 4, dim), "int32")  # V's quads: vq[j / 4, d] = V[j .. j + 3, d] in int8
-            sv = T.alloc_buffer((dim,), "float32")
-            inverse = T.alloc_buffer((dim,), "float32")
-            scores = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "float32")  # a block of query rows' scores
-            pq = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # their probabilities' levels
-            totals = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")  # 1 / the sum of a row's levels
+            scores = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "float32")  # a block of query rows' scores, then weights
+            pq = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # their weights' levels
+            rescale = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")  # a row's P V to its output: max w / 255 / sum of exps
+            peak = T.alloc_buffer((lanes,), "float32")
+            factor = T.alloc_buffer((1,), "float32")
             acc_top = T.alloc_buffer((score_half, INT8_KEYS), "int32")
             acc_bottom = T.alloc_buffer((score_half, INT8_KEYS), "int32")
             out_top = T.alloc_buffer((output_half, out_width), "int32")
@@ -1004,6 +1011,7 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
             for s in range(seq):
                 quantize_row(query, (q, rows, bh), qq, sq, s)
                 quantize_row(key, (k, rows, bh), kr, sk, s)
+                quantize_row(value, (v, rows, bh), vr, sv, s)
             # K^T's quads: a quad of K's row is an int32 of its bytes, so kt is the transpose of
             # those rows' int32s, a hardware gather of a key's quad per lane (the offset taken off)
             for w in range(words):
@@ -1017,24 +1025,13 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                     sums[T.ramp(0, 1, lanes)] = quads(sums[T.ramp(0, 1, lanes)], T.int32(0x01010101), kt8[w, T.ramp(j0 * lanes * 4, 1, 4 * lanes)])
                 for x in T.vectorized(lanes):
                     ck[j0 * lanes + x] = sums[x] * T.int32(-ROW_OFFSET)
-            # V's columns' scales over the sequence, then its quads: four rows' levels, a byte each
-            for d in T.vectorized(dim):
-                inverse[d] = T.float32(0)
-            for s in range(seq):
-                for d0 in range(dim // lanes):
-                    for x in T.vectorized(lanes):
-                        inverse[d0 * lanes + x] = T.max(inverse[d0 * lanes + x], T.fabs(grid.head_row(v, rows, 2, bh, s, d0, x)))
-            for d in T.vectorized(dim):
-                sv[d] = inverse[d] / T.float32(LEVELS)
-                inverse[d] = T.Select(inverse[d] > T.float32(0), T.float32(LEVELS) / inverse[d], T.float32(0))
+            # V's quads: four rows' levels interleaved, a byte each (the offset taken off)
             for s4 in range(seq // 4):
                 for d0 in range(dim // lanes):
                     for x in T.vectorized(lanes):
-                        vq[s4, d0 * lanes + x] = \
-                            (T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4, d0, x) * inverse[d0 * lanes + x])) & 255) \
-                            | (T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4 + 1, d0, x) * inverse[d0 * lanes + x])) & 255) << 8 \
-                            | (T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4 + 2, d0, x) * inverse[d0 * lanes + x])) & 255) << 16 \
-                            | T.Cast("int32", round_half_even(grid.head_row(v, rows, 2, bh, 4 * s4 + 3, d0, x) * inverse[d0 * lanes + x])) << 24
+                        vq[s4, d0 * lanes + x] = (T.Cast("int32", vr[4 * s4, d0 * lanes + x]) | T.Cast("int32", vr[4 * s4 + 1, d0 * lanes + x]) << 8
+                                                  | T.Cast("int32", vr[4 * s4 + 2, d0 * lanes + x]) << 16
+                                                  | T.Cast("int32", vr[4 * s4 + 3, d0 * lanes + x]) << 24) ^ T.int32(QUAD_BIAS)
             for i0 in range(seq // INT8_BLOCK_ROWS):
                 first_key, end_key = span.first(i0 * INT8_BLOCK_ROWS), span.end(i0 * INT8_BLOCK_ROWS)
                 # scores = Q K^T * scale + mask, INT8_SCORE_ROWS x INT8_KEYS a tile
@@ -1045,7 +1042,7 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                         score_store(mask, scores, sq, sk, acc_top, bh, t * INT8_SCORE_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_SCORE_ROWS, c)
                         score_store(mask, scores, sq, sk, acc_bottom, bh, t * INT8_SCORE_ROWS + score_half,
                                     i0 * INT8_BLOCK_ROWS + t * INT8_SCORE_ROWS + score_half, c)
-                # softmax's max and exp over each row, the probabilities' levels and their sum
+                # softmax's max and exp over each row, the weights (exp times V's row scale), their levels
                 for i in range(INT8_BLOCK_ROWS):
                     for x in T.vectorized(lanes):
                         partial[x] = T.float32(-3.4028234663852886e38)
@@ -1055,19 +1052,25 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                     row_max[0] = across_lanes(partial, T.max)
                     for x in T.vectorized(lanes):
                         partial[x] = T.float32(0)
+                        peak[x] = T.float32(0)
                     for c in range(first_key // lanes, end_key // lanes):
-                        scores[i, T.Ramp(c * lanes, 1, lanes)] = _llvm_vector_call(f"float32x{lanes}", "llvm.roundeven", _exp_of_difference(
-                            scores[i, T.Ramp(c * lanes, 1, lanes)], row_max[0], lanes, PROBABILITY_LEVELS))
-                        pq[i, T.Ramp(c * lanes, 1, lanes)] = T.Cast(f"uint8x{lanes}", scores[i, T.Ramp(c * lanes, 1, lanes)])
+                        scores[i, T.Ramp(c * lanes, 1, lanes)] = _exp_of_difference(scores[i, T.Ramp(c * lanes, 1, lanes)], row_max[0], lanes)
                         partial[T.Ramp(0, 1, lanes)] = partial[T.Ramp(0, 1, lanes)] + scores[i, T.Ramp(c * lanes, 1, lanes)]
-                    totals[i] = T.float32(1) / across_lanes(partial, lambda a, b: a + b)
-                # y = P V / sum
+                        scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * sv[T.Ramp(c * lanes, 1, lanes)]
+                        peak[T.Ramp(0, 1, lanes)] = T.max(peak[T.Ramp(0, 1, lanes)], scores[i, T.Ramp(c * lanes, 1, lanes)])
+                    row_max[0] = across_lanes(peak, T.max)  # the largest weight (0 where every V row the row reads is)
+                    factor[0] = T.Select(row_max[0] > T.float32(0), T.float32(PROBABILITY_LEVELS) / row_max[0], T.float32(0))
+                    rescale[i] = row_max[0] / T.float32(PROBABILITY_LEVELS) / across_lanes(partial, lambda a, b: a + b)
+                    for c in range(first_key // lanes, end_key // lanes):
+                        pq[i, T.Ramp(c * lanes, 1, lanes)] = T.Cast(f"uint8x{lanes}", _llvm_vector_call(
+                            f"float32x{lanes}", "llvm.roundeven", scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(factor[0], lanes)))
+                # y = P V, rescaled
                 for t in range(INT8_BLOCK_ROWS // INT8_OUTPUT_ROWS):
                     for c in range(dim // out_width):
                         output_tile(pq32, vq8, out_top, t * INT8_OUTPUT_ROWS, c, first_key, end_key)
                         output_tile(pq32, vq8, out_bottom, t * INT8_OUTPUT_ROWS + output_half, c, first_key, end_key)
-                        output_store(y, sv, totals, out_top, bh, t * INT8_OUTPUT_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS, c)
-                        output_store(y, sv, totals, out_bottom, bh, t * INT8_OUTPUT_ROWS + output_half,
+                        output_store(y, rescale, out_top, bh, t * INT8_OUTPUT_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS, c)
+                        output_store(y, rescale, out_bottom, bh, t * INT8_OUTPUT_ROWS + output_half,
                                      i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS + output_half, c)
 
     return _attention_function(grid, None, {KERNEL_ATTR: True}, "attention_int8_tiles", every_head)
