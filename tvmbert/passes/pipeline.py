@@ -49,10 +49,11 @@ class PassContext:
 
     @property
     def attention_in_int8(self) -> bool:
-        """Attention's two matmuls in int8 on ``vpdpbusd`` (Q and K per row, V per column, the
-        probabilities in 255 levels: ``kernels/attention.vnni_int8_kernel``), for int8 on AVX-512
-        VNNI without AMX: the fp32 kernel was a sixth of modernbert-base's int8 time at 8 x 128 on
-        Zen 4, as ONNX Runtime's and NNCF's int8 quantize these matmuls too (docs/precision.md)."""
+        """Attention's two matmuls in int8 on ``vpdpbusd`` (Q, K and V per row, the weights of P V
+        in 255 levels of their row's largest: ``kernels/attention.vnni_int8_kernel``), for int8 on
+        AVX-512 VNNI without AMX, as ONNX Runtime's and NNCF's int8 quantize these matmuls too: the
+        fp32 kernel was a sixth of modernbert-base's int8 time at 8 x 128 on Zen 4, and
+        all-MiniLM-L6-v2's accuracy stays fp32 attention's (docs/precision.md)."""
         target = self.target
         return (self.dtype == "int8" and target is not None and not self.attention_on_amx and target.fp32_lanes == 16
                 and target.int8_lanes == 16 and target.int8_instruction == "vpdpbusd")
