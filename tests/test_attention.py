@@ -474,8 +474,8 @@ def test_amx_attention_takes_whole_blocks_of_tiles():
 def _int8_attention(q, k, v, mask, scale):
     """float64 attention of Q, K, V [B, H, S, D] as the int8 kernel quantizes them: Q, K and V
     per row (symmetric, 127 levels, float32's quotients rounded half to even), the weights
-    ``w = exp(score - row max) x V's row scale`` as round(255 w / max w), P V rescaled by
-    max w / 255 and divided by the sum of the exps."""
+    ``w = exp(score - row max) x V's row scale`` as round(65535 w / max w), P V rescaled by
+    max w / 65535 and divided by the sum of the exps."""
     def levels(x):
         peak = np.abs(x).max(-1, keepdims=True)
         inverse = np.where(peak > 0, np.float32(int8.LEVELS) / np.where(peak > 0, peak, 1), 0).astype(np.float32)
@@ -486,18 +486,20 @@ def _int8_attention(q, k, v, mask, scale):
     exps = np.exp(scores - scores.max(-1, keepdims=True))
     weights = exps * sv.transpose(0, 1, 3, 2)
     largest = weights.max(-1, keepdims=True)
-    return np.rint(weights * 255 / largest) @ vq * largest / 255 / exps.sum(-1, keepdims=True)
+    return np.rint(weights * 65535 / largest) @ vq * largest / 65535 / exps.sum(-1, keepdims=True)
 
 
 @pytest.mark.simd
 @pytest.mark.skipif(HOST_LANES != 16, reason="the int8 kernel is AVX-512's (its gathers, 16 lanes)")
-@pytest.mark.parametrize("batch, heads, seq, dim, window", [(2, 3, 64, 64, None), (1, 2, 96, 32, 20), (1, 1, 32, 16, None)])
+@pytest.mark.parametrize("batch, heads, seq, dim, window", [(2, 3, 64, 64, None), (1, 2, 96, 32, 20), (1, 1, 32, 16, None),
+                                                             (1, 1, 64, 128, None)])
 @pytest.mark.parametrize("mask_shape", ["keys", "rows", None])
 @pytest.mark.parametrize("layout", ["fused", "packed", "panels"])
 def test_the_int8_kernel_computes_what_its_quantization_says(batch, heads, seq, dim, window, mask_shape, layout):
-    """Against its quantization in NumPy within one weight level of a row (its exp, within 2.4e-6
-    of float64's, may round a weight to the next level), and against float64 unquantized within
-    int8's error; on ``vpdpbusd`` where this CPU has VNNI, else on its arithmetic emulated."""
+    """Against its quantization in NumPy (its exp, within 2.4e-6 of float64's, rounds some
+    weights to the next of their 65535 levels), and against float64 unquantized within int8's
+    error; on ``vpdpbusd`` where this CPU has VNNI, else on its arithmetic emulated. Heads of 128
+    take two P V tiles of 64 columns."""
     import tvm
 
     dot = int8.DOT_PRODUCTS["vpdpbusd"]
@@ -531,10 +533,39 @@ def test_the_int8_kernel_computes_what_its_quantization_says(batch, heads, seq, 
     y = tvm.runtime.tensor(np.zeros((batch, seq, heads, dim), "float32"))
     library["main"](*(tvm.runtime.tensor(a) for a in (*operands, given if given is not None else np.zeros(1, "float32"), rows)), y)
     got = y.numpy().transpose(0, 2, 1, 3)
-    np.testing.assert_allclose(got, _int8_attention(q, k, v, mask, 0.125), atol=np.abs(v).max() / 255, rtol=0)
+    np.testing.assert_allclose(got, _int8_attention(q, k, v, mask, 0.125), atol=np.abs(v).max() / 4096, rtol=0)
     np.testing.assert_allclose(got, _reference(q, k, v, mask, 0.125), atol=0.02 * np.abs(v).max(), rtol=0)
     if dot.instruction == HOST_TARGET.int8_instruction:
         assert "vpdpbusd" in library.mod.inspect_source("asm")
+
+
+@pytest.mark.simd
+@pytest.mark.skipif(HOST_LANES != 16, reason="the int8 kernel is AVX-512's (its gathers, 16 lanes)")
+def test_the_int8_kernel_keeps_a_long_rows_small_weights():
+    """One key scores ln 600 above 511 others (each then weighs 1/600 of it, under half of 255
+    levels: 8-bit weights dropped them all and gave 0.54 for 0.08), its V row +1, theirs -1; and
+    a row with every key masked averages V, as PyTorch does. Every operand exact in int8."""
+    import tvm
+
+    dot = int8.DOT_PRODUCTS["vpdpbusd"]
+    if HOST_TARGET.int8_instruction != "vpdpbusd":
+        dot = dataclasses.replace(dot, accumulate=emulated_quads)
+    seq, dim = 512, 16
+    q, k, v = np.zeros((seq, dim), np.float32), np.zeros((seq, dim), np.float32), -np.ones((seq, dim), np.float32)
+    q[:, 0] = k[0, 0] = np.sqrt(np.log(600) / 0.125)
+    v[0] = 1
+    mask = np.zeros((1, 1, seq, seq), np.float32)
+    mask[0, 0, 7] = MASKED
+    columns = np.concatenate([q, k, v], axis=1)
+    function = attention.vnni_int8_kernel(1, 1, seq, dim, 16, [(3 * dim, i * dim) for i in range(3)], mask.shape, 0.125, dot=dot)
+    library = tvm.compile(tvm.IRModule({"main": function}), target=HOST)
+    y = tvm.runtime.tensor(np.zeros((1, seq, 1, dim), "float32"))
+    library["main"](*(tvm.runtime.tensor(a) for a in (columns, columns, columns, mask, np.zeros(1, "int32"))), y)
+    expected = (1 - (seq - 1) / 600) / (1 + (seq - 1) / 600)
+    got = y.numpy()[0, :, 0]
+    # each small weight within half a level of 65535 (all 511 rounded alike here: 9e-4 off)
+    np.testing.assert_allclose(np.delete(got, 7, axis=0), expected, atol=(seq - 1) * 0.5 / 65535)
+    np.testing.assert_allclose(got[7], v.mean(0), atol=1e-4)
 
 
 def test_the_int8_kernel_takes_whole_score_tiles_of_keys_on_avx512():

@@ -425,7 +425,8 @@ def test_bert_tiny_in_int8_for_an_amx_cpu_runs_every_matmul_on_amx_tiles(tvmbert
 
 def test_int8_attention_for_an_amx_cpu_runs_on_bf16_tiles(tvmbert, workdir):
     """Compiled only (the kernel's numerics: test_attention.py, on AMX hosts): with AMX, an int8
-    build's attention runs its matmuls on ``tdpbf16ps``; without AMX-BF16 it stays on fp32 vectors."""
+    build's attention runs its matmuls on ``tdpbf16ps``; without AMX-BF16, not on AMX (on this CPU's
+    AVX-512 VNNI, in int8)."""
     target = "llvm -mcpu=sapphirerapids"
     outcome = tvmbert("build", "bert-tiny", "--dtype", "int8", "--seq-len", "32", "--target", target, "--json")
     assert outcome.code == 0, outcome.stderr

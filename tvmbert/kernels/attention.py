@@ -690,11 +690,11 @@ def _pairs(first, second, lanes: int):
     return T.Cast(f"uint32x{lanes}", second) << T.uint32(16) | T.Cast(f"uint32x{lanes}", first)
 
 
-def _exp_of_difference(scores, row_max, lanes: int, factor: float = 1.0):
-    """TIR: ``factor x exp(scores - row_max)`` for a vector of 16 scores (AVX-512): 2^t (t the
-    score in bits) as a polynomial in t's fraction (times ``factor``), scaled by ``vscalefps`` by
-    its integer part, within 2.4e-6 of it. A masked score (-3.4e38) gives 2^-125, not 0: 1e-38
-    of a row's weight, which no sum of fp32 keeps."""
+def _exp_of_difference(scores, row_max, lanes: int, floor: float = EXP2_FLOOR):
+    """TIR: ``exp(scores - row_max)`` for a vector of 16 scores (AVX-512): 2^t (t the score in
+    bits) as a polynomial in t's fraction, scaled by ``vscalefps`` by its integer part, within
+    2.4e-6 of it. A masked score (-3.4e38) gives 2^floor, not 0: at EXP2_FLOOR 1e-38 of a row's
+    weight, which no sum of fp32 keeps."""
     from tvm import tirx
     from tvm.script import tirx as T
 
@@ -703,12 +703,12 @@ def _exp_of_difference(scores, row_max, lanes: int, factor: float = 1.0):
 
     # The difference first: a row whose every key is masked has scores of ~-3.4e38, whose times
     # log2(e) overflows; their differences are 0, as in PyTorch's softmax (the values' mean).
-    t = T.max((scores - T.Broadcast(row_max, lanes)) * vector(LOG2_E), vector(EXP2_FLOOR))
+    t = T.max((scores - T.Broadcast(row_max, lanes)) * vector(LOG2_E), vector(floor))
     whole_part = _llvm_vector_call(f"float32x{lanes}", "llvm.roundeven", t)
     fraction = t - whole_part
-    power = vector(EXP2_POLYNOMIAL[0] * factor)
+    power = vector(EXP2_POLYNOMIAL[0])
     for coefficient in EXP2_POLYNOMIAL[1:]:
-        power = power * fraction + vector(coefficient * factor)
+        power = power * fraction + vector(coefficient)
     return _llvm_vector_call(f"float32x{lanes}", "llvm.x86.avx512.mask.scalef.ps.512", power, whole_part, power,
                              tirx.const(-1, "int16"), T.int32(4))
 
@@ -846,7 +846,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
                             scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(scale_by, lanes) \
                                 + positions.scores(seq, lanes, index, i0 * TILE + i, c * lanes,
                                                    *positions.product_rows(by_query, by_key, bh, i0 * TILE + i, c * lanes))
-                    for x in T.vectorized(INT8_KEYS):
+                    for x in T.vectorized(lanes):
                         partial[x] = T.float32(-3.4028234663852886e38)
                     for c in range(span.first(i0 * TILE) // lanes, span.end(i0 * TILE) // lanes):
                         for x in T.vectorized(lanes):
@@ -876,10 +876,20 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
 
 
 INT8_KEYS = 32  # keys a score tile of the int8 kernel: two vectors of 16
-INT8_BLOCK_ROWS = 32  # query rows whose scores and probabilities the int8 kernel keeps at a time
+INT8_BLOCK_ROWS = 32  # query rows whose scores and weights the int8 kernel keeps at a time
 INT8_SCORE_ROWS = 8  # query rows a score tile (two accumulator buffers of 4: fma.STACK_BYTES)
 INT8_OUTPUT_ROWS = 4  # query rows a P V tile (two buffers of 2, each up to 4 vectors wide)
-PROBABILITY_LEVELS = 255  # a weight of P V (at most its row's largest) as uint8
+# A weight of P V (at most its row's largest) in 16 bits, two uint8 planes of one vpdpbusd each:
+# in 8 bits, the weights under half a level (1/510 of the largest) were dropped, which a long row's
+# many small ones add up past (a peak and 2000 keys at 1/600 of it: 4/5 of the row's mass).
+WEIGHT_LEVELS = 65535
+# The int8 kernel's exps at least 2^-64, so that a masked key's weight (its exp times V's row
+# scale) stays a normal float, never a subnormal that stalls the multiply; the floor is under
+# half a level of any row's largest weight, and 8192 keys at it add 4e-16 to a row's sum.
+WEIGHT_EXP_FLOOR = -64.0
+# Where a row's largest weight is under this (its unmasked keys' V rows all zero: the output is
+# 0), its levels are all 0, where WEIGHT_LEVELS / it could overflow to inf.
+SMALLEST_WEIGHT = 2.0 ** -100
 QUAD_BIAS = -2139062144  # 0x80808080: each byte of a quad moved from uint8 (+128) to int8
 
 
@@ -900,11 +910,12 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
       matmul's rows (Q unsigned with its +128, K signed; each key's scores start from ``-128 x
       sum_d K[j, d]``, which takes Q's offset back exactly);
     - V per (token, head) row too, its scale folded into the weights: ``w_j = exp(score_j - row
-      max) x sv_j``, quantized per query row as ``round(255 w / max w)`` in uint8, and P V
-      rescaled by ``max w / 255`` and divided by the sum of the exps (fp32). V per column, with
-      the probabilities' levels at most 1, had 4x the error on all-MiniLM-L6-v2's real
-      activations (a few tokens' large V coarsened every other's; the small weights' levels
-      lost the most, 2-4% of a layer's output where this loses 0.6-1%).
+      max) x sv_j``, quantized per query row as ``round(65535 w / max w)``, two uint8 planes (high
+      and low byte, a ``vpdpbusd`` each), and P V rescaled by ``max w / 65535`` and divided by the
+      sum of the exps (fp32). V per column with the probabilities in 255 levels of 1 had 4x the
+      error on all-MiniLM-L6-v2's real activations (a few tokens' large V coarsened every
+      other's; the small weights lost the most: 2-4% of a layer's output where this loses
+      0.6-1%), and 8-bit weights drop a long row's small ones (``WEIGHT_LEVELS``).
 
     Scale, mask, max and exp in fp32, as in ``kernel``. Per (sequence, head): Q's, K's
     and V's rows quantized, K^T's quads by hardware gathers of K's (as ``amx_bf16_kernel``), V's
@@ -964,21 +975,27 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                         first_row + i, c * INT8_KEYS + x, T.Cast("float32", acc[i, x]) * (sq[first_row + i] * scale_by) * sk[c * INT8_KEYS + x])
 
     @T.macro
-    def output_tile(pq32, vq8, acc, local, c, first_key, end_key):
+    def output_tile(high32, low32, vq8, acc_high, acc_low, local, c, first_key, end_key):
+        """P V of ``output_half`` rows, the weights' high bytes and low bytes summed apart (each
+        sum within int32 at any length), V's quads loaded once for both."""
         for i in T.unroll(output_half):
             for x in T.vectorized(out_width):
-                acc[i, x] = T.int32(0)
+                acc_high[i, x] = T.int32(0)
+                acc_low[i, x] = T.int32(0)
         for w in range(first_key // 4, end_key // 4):
             for i in T.unroll(output_half):
                 for v in T.unroll(out_width // lanes):
-                    acc[i, T.ramp(v * lanes, 1, lanes)] = quads(acc[i, T.ramp(v * lanes, 1, lanes)], pq32[local + i, w],
-                                                                vq8[w, T.ramp((c * out_width + v * lanes) * 4, 1, 4 * lanes)])
+                    acc_high[i, T.ramp(v * lanes, 1, lanes)] = quads(acc_high[i, T.ramp(v * lanes, 1, lanes)], high32[local + i, w],
+                                                                     vq8[w, T.ramp((c * out_width + v * lanes) * 4, 1, 4 * lanes)])
+                    acc_low[i, T.ramp(v * lanes, 1, lanes)] = quads(acc_low[i, T.ramp(v * lanes, 1, lanes)], low32[local + i, w],
+                                                                    vq8[w, T.ramp((c * out_width + v * lanes) * 4, 1, 4 * lanes)])
 
     @T.macro
-    def output_store(y, rescale, acc, bh, local, first_row, c):
+    def output_store(y, rescale, acc_high, acc_low, bh, local, first_row, c):
         for i in T.unroll(output_half):
             for x in T.vectorized(out_width):
-                y[bh // heads, first_row + i, bh % heads, c * out_width + x] = T.Cast("float32", acc[i, x]) * rescale[local + i]
+                y[bh // heads, first_row + i, bh % heads, c * out_width + x] = \
+                    (T.Cast("float32", acc_high[i, x]) * T.float32(256) + T.Cast("float32", acc_low[i, x])) * rescale[local + i]
 
     @T.macro
     def every_head(q, k, v, mask, rows, by_query, by_key, index, y):
@@ -993,21 +1010,26 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
             sv = T.alloc_buffer((seq,), "float32")
             vq = T.alloc_buffer((seq // 4, dim), "int32")  # V's quads: vq[j / 4, d] = V[j .. j + 3, d] in int8
             scores = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "float32")  # a block of query rows' scores, then weights
-            pq = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # their weights' levels
-            rescale = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")  # a row's P V to its output: max w / 255 / sum of exps
+            high = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # their weights' levels: high bytes
+            low = T.alloc_buffer((INT8_BLOCK_ROWS, seq), "uint8")  # and low bytes
+            rescale = T.alloc_buffer((INT8_BLOCK_ROWS,), "float32")  # a row's P V to its output: max w / 65535 / sum of exps
             peak = T.alloc_buffer((lanes,), "float32")
             factor = T.alloc_buffer((1,), "float32")
             acc_top = T.alloc_buffer((score_half, INT8_KEYS), "int32")
             acc_bottom = T.alloc_buffer((score_half, INT8_KEYS), "int32")
-            out_top = T.alloc_buffer((output_half, out_width), "int32")
-            out_bottom = T.alloc_buffer((output_half, out_width), "int32")
+            top_high = T.alloc_buffer((output_half, out_width), "int32")
+            top_low = T.alloc_buffer((output_half, out_width), "int32")
+            bottom_high = T.alloc_buffer((output_half, out_width), "int32")
+            bottom_low = T.alloc_buffer((output_half, out_width), "int32")
             partial = T.alloc_buffer((lanes,), "float32")
             sums = T.alloc_buffer((lanes,), "int32")
+            levels = T.alloc_buffer((lanes,), "int32")
             row_max = T.alloc_buffer((1,), "float32")
             qq32 = T.decl_buffer((seq, words), "int32", data=qq.data)
             kt8 = T.decl_buffer((words, seq * 4), "int8", data=kt.data)
             vq8 = T.decl_buffer((seq // 4, dim * 4), "int8", data=vq.data)
-            pq32 = T.decl_buffer((INT8_BLOCK_ROWS, seq // 4), "int32", data=pq.data)
+            high32 = T.decl_buffer((INT8_BLOCK_ROWS, seq // 4), "int32", data=high.data)
+            low32 = T.decl_buffer((INT8_BLOCK_ROWS, seq // 4), "int32", data=low.data)
             for s in range(seq):
                 quantize_row(query, (q, rows, bh), qq, sq, s)
                 quantize_row(key, (k, rows, bh), kr, sk, s)
@@ -1054,23 +1076,27 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
                         partial[x] = T.float32(0)
                         peak[x] = T.float32(0)
                     for c in range(first_key // lanes, end_key // lanes):
-                        scores[i, T.Ramp(c * lanes, 1, lanes)] = _exp_of_difference(scores[i, T.Ramp(c * lanes, 1, lanes)], row_max[0], lanes)
+                        scores[i, T.Ramp(c * lanes, 1, lanes)] = _exp_of_difference(scores[i, T.Ramp(c * lanes, 1, lanes)], row_max[0], lanes,
+                                                                                    WEIGHT_EXP_FLOOR)
                         partial[T.Ramp(0, 1, lanes)] = partial[T.Ramp(0, 1, lanes)] + scores[i, T.Ramp(c * lanes, 1, lanes)]
                         scores[i, T.Ramp(c * lanes, 1, lanes)] = scores[i, T.Ramp(c * lanes, 1, lanes)] * sv[T.Ramp(c * lanes, 1, lanes)]
                         peak[T.Ramp(0, 1, lanes)] = T.max(peak[T.Ramp(0, 1, lanes)], scores[i, T.Ramp(c * lanes, 1, lanes)])
-                    row_max[0] = across_lanes(peak, T.max)  # the largest weight (0 where every V row the row reads is)
-                    factor[0] = T.Select(row_max[0] > T.float32(0), T.float32(PROBABILITY_LEVELS) / row_max[0], T.float32(0))
-                    rescale[i] = row_max[0] / T.float32(PROBABILITY_LEVELS) / across_lanes(partial, lambda a, b: a + b)
+                    row_max[0] = across_lanes(peak, T.max)  # the largest weight
+                    factor[0] = T.Select(row_max[0] > T.float32(SMALLEST_WEIGHT), T.float32(WEIGHT_LEVELS) / row_max[0], T.float32(0))
+                    rescale[i] = row_max[0] / T.float32(WEIGHT_LEVELS) / across_lanes(partial, lambda a, b: a + b)
                     for c in range(first_key // lanes, end_key // lanes):
-                        pq[i, T.Ramp(c * lanes, 1, lanes)] = T.Cast(f"uint8x{lanes}", _llvm_vector_call(
-                            f"float32x{lanes}", "llvm.roundeven", scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(factor[0], lanes)))
+                        levels[T.Ramp(0, 1, lanes)] = T.Cast(f"int32x{lanes}", T.min(_llvm_vector_call(
+                            f"float32x{lanes}", "llvm.roundeven", scores[i, T.Ramp(c * lanes, 1, lanes)] * T.Broadcast(factor[0], lanes)),
+                            T.Broadcast(T.float32(WEIGHT_LEVELS), lanes)))
+                        high[i, T.Ramp(c * lanes, 1, lanes)] = T.Cast(f"uint8x{lanes}", levels[T.Ramp(0, 1, lanes)] >> 8)
+                        low[i, T.Ramp(c * lanes, 1, lanes)] = T.Cast(f"uint8x{lanes}", levels[T.Ramp(0, 1, lanes)] & 255)
                 # y = P V, rescaled
                 for t in range(INT8_BLOCK_ROWS // INT8_OUTPUT_ROWS):
                     for c in range(dim // out_width):
-                        output_tile(pq32, vq8, out_top, t * INT8_OUTPUT_ROWS, c, first_key, end_key)
-                        output_tile(pq32, vq8, out_bottom, t * INT8_OUTPUT_ROWS + output_half, c, first_key, end_key)
-                        output_store(y, rescale, out_top, bh, t * INT8_OUTPUT_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS, c)
-                        output_store(y, rescale, out_bottom, bh, t * INT8_OUTPUT_ROWS + output_half,
+                        output_tile(high32, low32, vq8, top_high, top_low, t * INT8_OUTPUT_ROWS, c, first_key, end_key)
+                        output_tile(high32, low32, vq8, bottom_high, bottom_low, t * INT8_OUTPUT_ROWS + output_half, c, first_key, end_key)
+                        output_store(y, rescale, top_high, top_low, bh, t * INT8_OUTPUT_ROWS, i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS, c)
+                        output_store(y, rescale, bottom_high, bottom_low, bh, t * INT8_OUTPUT_ROWS + output_half,
                                      i0 * INT8_BLOCK_ROWS + t * INT8_OUTPUT_ROWS + output_half, c)
 
     return _attention_function(grid, None, {KERNEL_ATTR: True}, "attention_int8_tiles", every_head)

@@ -50,7 +50,7 @@ class PassContext:
     @property
     def attention_in_int8(self) -> bool:
         """Attention's two matmuls in int8 on ``vpdpbusd`` (Q, K and V per row, the weights of P V
-        in 255 levels of their row's largest: ``kernels/attention.vnni_int8_kernel``), for int8 on
+        in 16 bits of their row's largest: ``kernels/attention.vnni_int8_kernel``), for int8 on
         AVX-512 VNNI without AMX, as ONNX Runtime's and NNCF's int8 quantize these matmuls too: the
         fp32 kernel was a sixth of modernbert-base's int8 time at 8 x 128 on Zen 4, and
         all-MiniLM-L6-v2's accuracy stays fp32 attention's (docs/precision.md)."""
@@ -201,7 +201,8 @@ PASSES = (
     GraphPass("fma-fp32", _fma_fp32, added_for=lambda c: c.fp32_kernels and c.dtype in ("float32", "int8"), per_target=True),
     # Added with fma-fp32 and with amx-bf16 (whose graph keeps attention in fp32): each layer's
     # attention (Q K^T, scale, mask, softmax, P V and the head transposes around them) becomes
-    # one call of our kernel (kernels/attention.py; for int8 and bf16 on AMX, its matmuls on AMX-BF16).
+    # one call of our kernel (kernels/attention.py; for int8 and bf16 on AMX, its matmuls on AMX-BF16,
+    # for int8 on AVX-512 VNNI, in int8).
     GraphPass("attention-fp32", _attention_fp32, added_for=lambda c: c.fp32_kernels, per_target=True),
     # Weight-only computations (transposed weights, the position-embedding slice) move into
     # main_transform_params, which the build runs once: folded like bound constants, while
