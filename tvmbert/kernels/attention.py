@@ -878,7 +878,7 @@ def amx_bf16_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sour
 INT8_KEYS = 32  # keys a score tile of the int8 kernel: two vectors of 16
 INT8_BLOCK_ROWS = 32  # query rows whose scores and weights the int8 kernel keeps at a time
 INT8_SCORE_ROWS = 8  # query rows a score tile (two accumulator buffers of 4: fma.STACK_BYTES)
-INT8_OUTPUT_ROWS = 4  # query rows a P V tile (two buffers of 2, each up to 4 vectors wide)
+INT8_OUTPUT_ROWS = 4  # query rows a P V tile (buffers of 2 rows, one for each byte plane of the weights, up to 4 vectors wide)
 # A weight of P V (at most its row's largest) in 16 bits, two uint8 planes of one vpdpbusd each:
 # in 8 bits, the weights under half a level (1/510 of the largest) were dropped, which a long row's
 # many small ones add up past (a peak and 2000 keys at 1/600 of it: 4/5 of the row's mass).
@@ -914,8 +914,8 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
       and low byte, a ``vpdpbusd`` each), and P V rescaled by ``max w / 65535`` and divided by the
       sum of the exps (fp32). V per column with the probabilities in 255 levels of 1 had 4x the
       error on all-MiniLM-L6-v2's real activations (a few tokens' large V coarsened every
-      other's; the small weights lost the most: 2-4% of a layer's output where this loses
-      0.6-1%), and 8-bit weights drop a long row's small ones (``WEIGHT_LEVELS``).
+      other's; the small weights lost the most: 0.9-4.4% of a layer's output where this loses
+      0.6-1.0%), and 8-bit weights drop a long row's small ones (``WEIGHT_LEVELS``).
 
     Scale, mask, max and exp in fp32, as in ``kernel``. Per (sequence, head): Q's, K's
     and V's rows quantized, K^T's quads by hardware gathers of K's (as ``amx_bf16_kernel``), V's
