@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from tvmbert.core import targets
 from tvmbert.kernels import fma, int8
 from tvmbert.passes.pipeline import PassContext
@@ -56,6 +58,13 @@ ALIKE = ("--seq-len", "16")  # a shape every CPU's pipeline compiles alike (conf
 # Our kernels left out: the weight matmuls and layer norms are MetaSchedule's tasks on every CPU.
 NO_KERNELS = ("fma-fp32", "layer-norm-fp32")
 WITHOUT_KERNELS = tuple(arg for name in NO_KERNELS for arg in ("--disable", name))
+
+
+def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy model of the int8 kernels' row quantization: symmetric, max |x| -> 127, half to even."""
+    top = np.abs(x).max(axis=-1)
+    inverse = np.where(top > 0, np.float32(int8.LEVELS) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    return np.rint(x * inverse[..., None]).astype(np.int16), (top / np.float32(int8.LEVELS)).astype(np.float32)
 
 
 def emulated_quads(acc, row_word, weights, lanes):

@@ -13,7 +13,7 @@ import pytest
 
 from tvmbert.kernels import attention, int8
 
-from helpers import HOST, HOST_LANES, HOST_TARGET, QKV_PANEL, build_meta, emulated_quads, heap_buffers
+from helpers import HOST, HOST_LANES, HOST_TARGET, QKV_PANEL, build_meta, emulated_quads, heap_buffers, quantized_rows
 
 MASKED = np.finfo(np.float32).min  # what transformers adds for a masked key
 
@@ -471,15 +471,19 @@ def test_amx_attention_takes_whole_blocks_of_tiles():
     assert not attention.amx_bf16_fits(48, 64, 16) and not attention.amx_bf16_fits(32, 16, 16) and not attention.amx_bf16_fits(32, 64, 8)
 
 
+# The int8 kernel's dot product: vpdpbusd where this CPU has VNNI, else its arithmetic emulated.
+VNNI_DOT = (int8.DOT_PRODUCTS["vpdpbusd"] if HOST_TARGET.int8_instruction == "vpdpbusd"
+            else dataclasses.replace(int8.DOT_PRODUCTS["vpdpbusd"], accumulate=emulated_quads))
+
+
 def _int8_attention(q, k, v, mask, scale):
     """float64 attention of Q, K, V [B, H, S, D] as the int8 kernel quantizes them: Q, K and V
     per row (symmetric, 127 levels, float32's quotients rounded half to even), the weights
     ``w = exp(score - row max) x V's row scale`` as round(65535 w / max w), P V rescaled by
     max w / 65535 and divided by the sum of the exps."""
     def levels(x):
-        peak = np.abs(x).max(-1, keepdims=True)
-        inverse = np.where(peak > 0, np.float32(int8.LEVELS) / np.where(peak > 0, peak, 1), 0).astype(np.float32)
-        return np.rint(x * inverse).astype(np.float64), peak.astype(np.float64) / int8.LEVELS
+        values, scales = quantized_rows(x)
+        return values.astype(np.float64), scales.astype(np.float64)[..., None]
 
     (qq, sq), (kq, sk), (vq, sv) = levels(q), levels(k), levels(v)
     scores = qq @ kq.transpose(0, 1, 3, 2) * sq * scale * sk.transpose(0, 1, 3, 2) + mask
@@ -502,9 +506,7 @@ def test_the_int8_kernel_computes_what_its_quantization_says(batch, heads, seq, 
     take two P V tiles of 64 columns."""
     import tvm
 
-    dot = int8.DOT_PRODUCTS["vpdpbusd"]
-    if HOST_TARGET.int8_instruction != "vpdpbusd":
-        dot = dataclasses.replace(dot, accumulate=emulated_quads)
+    dot = VNNI_DOT
     rng = np.random.default_rng(5)
     width, panel = heads * dim, 64 if layout == "panels" else 0
     tokens = batch * seq - 5 if layout == "packed" else None
@@ -547,9 +549,7 @@ def test_the_int8_kernel_keeps_a_long_rows_small_weights():
     a row with every key masked averages V, as PyTorch does. Every operand exact in int8."""
     import tvm
 
-    dot = int8.DOT_PRODUCTS["vpdpbusd"]
-    if HOST_TARGET.int8_instruction != "vpdpbusd":
-        dot = dataclasses.replace(dot, accumulate=emulated_quads)
+    dot = VNNI_DOT
     seq, dim = 512, 16
     q, k, v = np.zeros((seq, dim), np.float32), np.zeros((seq, dim), np.float32), -np.ones((seq, dim), np.float32)
     q[:, 0] = k[0, 0] = np.sqrt(np.log(600) / 0.125)

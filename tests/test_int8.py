@@ -17,7 +17,7 @@ from tvmbert.stages.bench.inference import engine_dtypes
 from tvmbert.stages.bench.timing import _ratios
 from tvmbert.stages.export import export
 
-from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta, emulated_quads, glu_through
+from helpers import HOST, HOST_INT8_INSTRUCTION, HOST_LANES, HOST_TARGET, build_meta, emulated_quads, glu_through, quantized_rows
 
 # The kernel with each dot product: VNNI's arithmetic runs on every host emulated; the instruction
 # itself where this CPU has it (else compiled below).
@@ -25,13 +25,6 @@ DOTS = {"vpmaddubsw": int8.DOT_PRODUCTS["vpmaddubsw"],
         "vpdpbusd-emulated": dataclasses.replace(int8.DOT_PRODUCTS["vpdpbusd"], accumulate=emulated_quads)}
 if HOST_TARGET.int8_instruction == "vpdpbusd":
     DOTS["vpdpbusd"] = int8.DOT_PRODUCTS["vpdpbusd"]
-
-
-def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The NumPy model of the row quantization: symmetric, max |x| -> 127, half to even."""
-    top = np.abs(x).max(axis=-1)
-    inverse = np.where(top > 0, np.float32(int8.LEVELS) / np.where(top > 0, top, 1), 0).astype(np.float32)
-    return np.rint(x * inverse[..., None]).astype(np.int16), (top / np.float32(int8.LEVELS)).astype(np.float32)
 
 
 def quantized_weight_model(w: np.ndarray, dot) -> tuple[np.ndarray, np.ndarray]:

@@ -936,14 +936,9 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
     out_width = vectors_per_tile(dim // lanes, lanes) * lanes
     quantize_row = row_quantizer(lanes, dim // lanes)
 
-    def query(operands, s, column):
-        return grid.head_row(operands[0], operands[1], 0, operands[2], s, column // lanes, column % lanes)
-
-    def key(operands, s, column):
-        return grid.head_row(operands[0], operands[1], 1, operands[2], s, column // lanes, column % lanes)
-
-    def value(operands, s, column):
-        return grid.head_row(operands[0], operands[1], 2, operands[2], s, column // lanes, column % lanes)
+    def head_value(operands, s, column):  # row_quantizer's value: operands (operand, rows, Q 0 / K 1 / V 2, head)
+        operand, rows, which, bh = operands
+        return grid.head_row(operand, rows, which, bh, s, column // lanes, column % lanes)
 
     def across_lanes(partial, combine):
         return _across_lanes(partial, lanes, combine)
@@ -1031,9 +1026,9 @@ def vnni_int8_kernel(batch: int, heads: int, seq: int, dim: int, lanes: int, sou
             high32 = T.decl_buffer((INT8_BLOCK_ROWS, seq // 4), "int32", data=high.data)
             low32 = T.decl_buffer((INT8_BLOCK_ROWS, seq // 4), "int32", data=low.data)
             for s in range(seq):
-                quantize_row(query, (q, rows, bh), qq, sq, s)
-                quantize_row(key, (k, rows, bh), kr, sk, s)
-                quantize_row(value, (v, rows, bh), vr, sv, s)
+                quantize_row(head_value, (q, rows, 0, bh), qq, sq, s)
+                quantize_row(head_value, (k, rows, 1, bh), kr, sk, s)
+                quantize_row(head_value, (v, rows, 2, bh), vr, sv, s)
             # K^T's quads: a quad of K's row is an int32 of its bytes, so kt is the transpose of
             # those rows' int32s, a hardware gather of a key's quad per lane (the offset taken off)
             for w in range(words):
