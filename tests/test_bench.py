@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tvmbert.stages.bench import engines as bench_engines
-from tvmbert.stages.bench.engines import Engine, Incomparable, _check, _onnx_written
+from tvmbert.stages.bench.engines import Engine, Incomparable, _check, _onnx_written, failure_line
 from tvmbert.stages.bench.timing import _ratios, measure
 
 FAST = ("--repeat", "3", "--min-time", "0", "--warmup", "1")
@@ -132,6 +132,12 @@ def test_an_engines_error_is_measured_on_real_tokens_and_outputs_that_cannot_be_
                             ([nan, np.zeros((1, 2))], "NaN or inf")):
         with pytest.raises(Incomparable, match=re.escape(reason)):
             _check(Engine("broken", lambda: None, lambda outputs=outputs: outputs), expected, mask, [True, False], 1e-3)
+
+
+def test_a_peers_failure_is_its_type_and_first_line_and_a_bare_assert_its_type_alone():
+    assert failure_line(RuntimeError("  out of memory\nat frame 3")) == "RuntimeError: out of memory"
+    assert failure_line(AssertionError()) == "AssertionError"
+    assert failure_line(ValueError("x" * 400)) == "ValueError: " + "x" * 160
 
 
 def test_ratio_is_tvm_over_the_best_other():

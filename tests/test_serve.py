@@ -10,6 +10,7 @@ import base64
 import contextlib
 import http.client
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -117,12 +118,19 @@ class Server:
 
 def _small_bert(folder: Path, head, **config) -> Path:
     """A 2-layer BERT of hidden size 32 (random weights, seed 0) with all-MiniLM-L6-v2's tokenizer."""
-    import torch
     import transformers
 
+    return _with_minilms_tokenizer(folder, head, transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, **config))
+
+
+def _with_minilms_tokenizer(folder: Path, head, config) -> Path:
+    """``head(config)`` (random weights, seed 0) saved with all-MiniLM-L6-v2's tokenizer."""
+    import torch
+
     torch.manual_seed(0)
-    head(transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                 max_position_embeddings=64, **config)).save_pretrained(folder)
+    head(config).save_pretrained(folder)
     tokenizer = Path(MINILM.submodule_search_locations[0]) / "model"
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
         shutil.copy(tokenizer / name, folder / name)
@@ -266,6 +274,7 @@ def test_a_bad_request_is_one_4xx_with_a_json_error_and_costs_nothing(server, ex
     ("/v1/embeddings", {"input": "ok", "dimensions": 8}, 422, "'dimensions' is not taken"),
     ("/v1/embeddings", {"input": [[101, 102]]}, 422, "token ids are not taken"),
     ("/predict", {"inputs": "ok"}, 400, "not a sequence classifier"),
+    ("/rerank", {"query": "ok", "texts": ["ok"]}, 400, "not a sequence classifier"),
 ])
 def test_each_route_names_what_it_refuses(server, path, payload, status, fragment):
     """OpenAI's routes answer OpenAI's error object (its client shows the message), TEI's a string."""
@@ -433,28 +442,101 @@ def test_a_port_in_use_or_a_budget_below_one_text_is_one_error_line(package):
             f"error: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
-@pytest.mark.slow
-def test_a_classifier_package_predicts_its_config_labels(tmp_path_factory, workdir):
-    """/predict: every label of config.json's id2label with the softmax of the package's logits."""
+def _transformers_logits(folder: Path, head, texts, pairs=None) -> np.ndarray:
+    """The folder's own model on ``texts`` (and their ``pairs``), through its tokenizer, as its users ran it."""
+    import torch
     import transformers
 
-    from tvmbert import load
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = head.from_pretrained(folder).eval()
+    encoded = tokenizer(texts, pairs, padding=True, return_tensors="pt",
+                        return_token_type_ids="token_type_ids" in inspect.signature(model.forward).parameters)
+    with torch.no_grad():
+        return model(**encoded).logits.double().numpy()
+
+
+@pytest.mark.slow
+def test_a_classifier_package_predicts_its_config_labels_for_texts_and_pairs(tmp_path_factory, workdir):
+    """/predict as TEI's: every label of config.json's id2label with the softmax of the logits
+    transformers' model gives, for a text (one list), a batch of texts and pairs (a list of them:
+    a pair's second text in segment 1, as the tokenizer puts it), raw logits when asked; a list
+    of three strings refused (TEI reads two as one pair); /rerank refused for three labels."""
+    import transformers
 
     folder = _small_bert(tmp_path_factory.mktemp("serve") / "classifier", transformers.BertForSequenceClassification,
-                         id2label=dict(enumerate(LABELS)), label2id={label: i for i, label in enumerate(LABELS)})
+                         id2label=dict(enumerate(LABELS)), label2id={label: i for i, label in enumerate(LABELS)},
+                         initializer_range=0.2)
     package = _export(folder, workdir)
-    logits = load(package)(TEXTS[:3])["logits"].astype(np.float64)
-    scores = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    premises, hypotheses = [TEXTS[0], TEXTS[1], TEXTS[4]], [TEXTS[5], TEXTS[2], TEXTS[0]]
+    logits = _transformers_logits(folder, transformers.BertForSequenceClassification, [TEXTS[2]])
+    pair_logits = _transformers_logits(folder, transformers.BertForSequenceClassification, premises, hypotheses)
+    unpaired = _transformers_logits(folder, transformers.BertForSequenceClassification, premises)
+    assert np.abs(pair_logits - unpaired).max() > 1e-3  # the pairs' second texts count
+
+    def check(answer, row):
+        scores = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+        assert [a["label"] for a in answer] == [LABELS[i] for i in np.argsort(-scores, kind="stable")]
+        np.testing.assert_allclose([a["score"] for a in answer], np.sort(scores)[::-1], atol=1e-5)
+
     classifier = Server(package)
     try:
-        status, answers = classifier.post("/predict", {"inputs": TEXTS[:3]})
+        status, answer = classifier.post("/predict", {"inputs": TEXTS[2]})
         assert status == 200
-        for row, answer in zip(scores, answers):
-            assert [a["label"] for a in answer] == [LABELS[i] for i in np.argsort(-row, kind="stable")]
-            np.testing.assert_allclose([a["score"] for a in answer], np.sort(row)[::-1], atol=1e-6)
+        check(answer, logits[0])
+        status, answers = classifier.post("/predict", {"inputs": [[TEXTS[2]], *map(list, zip(premises, hypotheses))]})
+        assert status == 200 and len(answers) == 4
+        for answer, row in zip(answers, [logits[0], *pair_logits]):
+            check(answer, row)
+        status, answer = classifier.post("/predict", {"inputs": [premises[0], hypotheses[0]], "raw_scores": True})
+        assert status == 200
+        np.testing.assert_allclose(sorted(a["score"] for a in answer), np.sort(pair_logits[0]), atol=1e-5)
+        status, refused = classifier.post("/predict", {"inputs": TEXTS[:3]})
+        assert status == 422 and "'inputs' holds 3 strings" in refused["error"]
+        status, refused = classifier.post("/rerank", {"query": "q", "texts": ["a"]})
+        assert status == 400 and "has 3 labels" in refused["error"] and refused["type"] == "unsupported"
         assert classifier.post("/embed", {"inputs": "hi"})[1]["type"] == "unsupported"
     finally:
         assert classifier.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_modernbert_cross_encoder_reranks_as_transformers_scores_its_pairs(tmp_path_factory, workdir):
+    """/rerank with a ModernBERT cross-encoder of one label (as gte-reranker-modernbert): each
+    (query, text) pair's sigmoid of the logit transformers' model gives it, best first, the texts
+    when asked, the logits with raw_scores; /predict on a pair gives that one label's sigmoid,
+    not a softmax of one (always 1)."""
+    import transformers
+
+    config = transformers.ModernBertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=48, local_attention=8,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=101, cls_token_id=101, eos_token_id=102, sep_token_id=102,
+        num_labels=1, classifier_pooling="mean", initializer_range=0.2)
+    folder = _with_minilms_tokenizer(tmp_path_factory.mktemp("serve") / "reranker", transformers.ModernBertForSequenceClassification,
+                                     config)
+    package = _export(folder, workdir)
+    query, passages = TEXTS[0], [TEXTS[1], TEXTS[2], TEXTS[4], TEXTS[5]]
+    logits = _transformers_logits(folder, transformers.ModernBertForSequenceClassification, [query] * 4, passages)[:, 0]
+    relevance = 1 / (1 + np.exp(-logits))
+    reranker = Server(package)
+    try:
+        status, ranks = reranker.post("/rerank", {"query": query, "texts": passages, "return_text": True})
+        assert status == 200 and sorted(r["index"] for r in ranks) == [0, 1, 2, 3]
+        assert [r["score"] for r in ranks] == sorted((r["score"] for r in ranks), reverse=True)
+        for rank in ranks:
+            assert rank["text"] == passages[rank["index"]]
+            assert abs(rank["score"] - relevance[rank["index"]]) < 1e-5
+        status, ranks = reranker.post("/rerank", {"query": query, "texts": passages, "raw_scores": True})
+        assert status == 200 and "text" not in ranks[0]
+        np.testing.assert_allclose([r["score"] for r in ranks], logits[[r["index"] for r in ranks]], atol=1e-5)
+        status, answer = reranker.post("/predict", {"inputs": [query, passages[1]]})
+        assert status == 200 and len(answer) == 1 and abs(answer[0]["score"] - relevance[1]) < 1e-5
+        for payload, fragment in (({"texts": passages}, "'query' must be a string, got nothing"),
+                                  ({"query": query, "texts": []}, "'texts' must be a string or a non-empty list"),
+                                  ({"query": query, "texts": passages, "return_text": 1}, "'return_text' must be true or false")):
+            status, refused = reranker.post("/rerank", payload)
+            assert status == 422 and fragment in refused["error"], refused
+    finally:
+        assert reranker.stop() == 0
 
 
 NER_LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]

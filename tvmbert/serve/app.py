@@ -104,6 +104,7 @@ def make_app(service: Service, started=None):
         Route("/v1/embeddings", admitted("/v1/embeddings", service.openai_embeddings), methods=["POST"]),
         Route("/embed", admitted("/embed", service.embed), methods=["POST"]),
         Route("/predict", admitted("/predict", service.predict), methods=["POST"]),
+        Route("/rerank", admitted("/rerank", service.rerank), methods=["POST"]),
         Route("/classify_tokens", admitted("/classify_tokens", service.classify_tokens), methods=["POST"]),
         Route("/answer", admitted("/answer", service.answer), methods=["POST"]),
         Route("/health", lambda request: JSONResponse({"status": "ok", "uptime_s": round(time.time() - up_since, 1)})),

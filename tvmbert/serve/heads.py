@@ -20,6 +20,16 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
+def label_scores(logits: np.ndarray, raw: bool) -> np.ndarray:
+    """A sequence classifier's scores as TEI gives them: a softmax over its labels, or a lone
+    label's sigmoid (a cross-encoder's relevance: a softmax of one is always 1); ``raw``: the
+    logits themselves."""
+    logits = np.asarray(logits, np.float64)
+    if raw:
+        return logits
+    return 0.5 * (1 + np.tanh(logits / 2)) if logits.shape[-1] == 1 else softmax(logits)  # the sigmoid, never overflowing
+
+
 def _tag(label: str) -> tuple[str, str]:
     """(B or I, the entity type) of a label; a label outside the B-/I- scheme is an I of itself."""
     if label.startswith(("B-", "I-")):

@@ -14,6 +14,10 @@ QUESTION = {"type": "object", "required": ["question", "context"],
 ANSWER = {"type": "object", "nullable": True, "properties": {"answer": {"type": "string"}, "score": {"type": "number"},
                                                               "start": {"type": "integer"}, "end": {"type": "integer"}}}
 VECTORS = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
+# TEI's: a text, a pair [text, text_pair], or a batch of them as lists.
+SEQUENCE = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
+SEQUENCES = {"oneOf": [{"type": "string"}, SEQUENCE, {"type": "array", "items": SEQUENCE, "minItems": 1}]}
+LABELS = {"type": "array", "items": {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}}}}
 
 # (method, path, summary, request body schema or None, answer schema)
 ROUTES = (
@@ -31,10 +35,19 @@ ROUTES = (
      {"type": "object", "required": ["inputs"], "properties": {
          "inputs": TEXTS, "normalize": {"type": "boolean", "default": True}, "truncate": {"type": "boolean", "default": False}}},
      VECTORS),
-    ("post", "/predict", "TEI's predict, for a sequence classifier: per input, every label with its score, most likely first",
-     {"type": "object", "required": ["inputs"], "properties": {"inputs": TEXTS, "truncate": {"type": "boolean", "default": False}}},
-     {"type": "array", "items": {"type": "array", "items": {"type": "object", "properties": {
-         "label": {"type": "string"}, "score": {"type": "number"}}}}}),
+    ("post", "/predict", "TEI's predict, for a sequence classifier: per input (a text or a pair), every label with its "
+     "score, most likely first: a softmax over the labels, a lone label's sigmoid, or the logits with raw_scores; one "
+     "input's list, or a batch's list of them",
+     {"type": "object", "required": ["inputs"], "properties": {
+         "inputs": SEQUENCES, "truncate": {"type": "boolean", "default": False}, "raw_scores": {"type": "boolean", "default": False}}},
+     {"oneOf": [LABELS, {"type": "array", "items": LABELS}]}),
+    ("post", "/rerank", "TEI's rerank, for a cross-encoder (a sequence classifier of one label): each text scored as the "
+     "pair (query, text), the sigmoid of its logit (raw_scores: the logit), best first",
+     {"type": "object", "required": ["query", "texts"], "properties": {
+         "query": {"type": "string"}, "texts": TEXTS, "truncate": {"type": "boolean", "default": False},
+         "raw_scores": {"type": "boolean", "default": False}, "return_text": {"type": "boolean", "default": False}}},
+     {"type": "array", "items": {"type": "object", "properties": {
+         "index": {"type": "integer"}, "score": {"type": "number"}, "text": {"type": "string"}}}}),
     ("post", "/classify_tokens", "For a token classifier: per input, its entities as transformers' token-classification "
      "pipeline finds them; simple groups B-/I- tags into entities, none gives each token not labelled O",
      {"type": "object", "required": ["inputs"], "properties": {

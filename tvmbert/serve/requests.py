@@ -67,6 +67,40 @@ def texts(payload: dict, field: str, max_inputs: int) -> list[str]:
     return value
 
 
+def sequences(payload: dict, max_inputs: int) -> tuple[list[str | tuple[str, str]], bool]:
+    """``payload["inputs"]`` as TEI's ``/predict`` reads it: a text, a pair ``[text, text_pair]``
+    (an NLI premise and hypothesis, a reranker's query and passage), or a non-empty batch of them
+    as lists (``[["text"], ["text", "pair"]]``). The sequences, a pair as a tuple, and whether it
+    was one (answered with its own answer, not a list of them). A list of three or more strings
+    is refused, as TEI refuses it: read as a batch, a list of two would have been one pair."""
+    value = payload.get("inputs")
+    single = isinstance(value, str) or (isinstance(value, list) and bool(value) and isinstance(value[0], str))
+    items = [value] if single else value
+    if not isinstance(items, list) or not items:
+        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
+        raise RequestError(422, f"'inputs' must be a text, a pair [text, text_pair], or a batch of them as lists "
+                           f"([[\"text\"], [\"text\", \"pair\"]]), got {got}")
+    if len(items) > max_inputs:
+        raise too_large(f"'inputs' holds {len(items)} inputs; this server takes at most {max_inputs} a request")
+    found = []
+    for index, item in enumerate(items):
+        where = "'inputs'" if single else f"'inputs'[{index}]"
+        parts = [item] if isinstance(item, str) and single else item
+        if not isinstance(parts, list):
+            problem = f"is a {type(item).__name__}"
+        elif not all(isinstance(part, str) for part in parts):
+            problem = "holds something other than strings"
+        else:
+            problem = "" if 1 <= len(parts) <= 2 else f"holds {len(parts)} strings"
+        if problem:
+            raise RequestError(422, f"{where} {problem}: an input is a text or a pair [text, text_pair], and a batch "
+                               "a list of them as lists ([[\"text\"], [\"text\", \"pair\"]])")
+        for number, part in enumerate(parts):
+            unicode(f"{where}" + (f"[{number}]" if len(parts) > 1 or not single else ""), part)
+        found.append(parts[0] if len(parts) == 1 else (parts[0], parts[1]))
+    return found, single
+
+
 def unicode(where: str, text: str) -> None:
     """Refuses a string that is not Unicode text (a lone surrogate, which JSON's \\u escapes allow)."""
     try:
@@ -95,6 +129,15 @@ def optional_string(payload: dict, field: str) -> str | None:
     value = payload.get(field)
     if value is not None and not isinstance(value, str):
         raise RequestError(422, f"'{field}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def string(payload: dict, field: str) -> str:
+    """``payload[field]``, a string of Unicode text."""
+    value = payload.get(field)
+    if not isinstance(value, str):
+        raise RequestError(422, f"'{field}' must be a string, got {'nothing' if value is None else type(value).__name__}")
+    unicode(f"'{field}'", value)
     return value
 
 

@@ -101,16 +101,43 @@ class Service:
         return [v.tolist() for v in vectors]
 
     async def predict(self, payload: dict) -> list:
-        """TEI's ``POST /predict`` for a sequence classifier: per text, every label with its
-        softmax score, most likely first."""
+        """TEI's ``POST /predict`` for a sequence classifier: per input (a text, or a pair such as
+        an NLI premise and hypothesis), every label with its score (``heads.label_scores``), most
+        likely first; one input's answer is that list, a batch's a list of them, as TEI's."""
         self._needs("text-classification", "is not a sequence classifier: export one whose config names a "
                     "...ForSequenceClassification")
         truncate = requests.flag(payload, "truncate", False)
-        texts = requests.texts(payload, "inputs", self.limits.max_inputs_per_request)
-        outputs, _ = await self.outputs(texts, truncate)
-        scores = heads.softmax(outputs["logits"])
+        raw = requests.flag(payload, "raw_scores", False)
+        sequences, single = requests.sequences(payload, self.limits.max_inputs_per_request)
+        outputs, _ = await self.outputs(sequences, truncate)
+        scores = heads.label_scores(outputs["logits"], raw)
         names = self._label_names(scores.shape[1])
-        return [[{"label": names[i], "score": float(row[i])} for i in np.argsort(-row, kind="stable")] for row in scores]
+        answers = [[{"label": names[i], "score": float(row[i])} for i in np.argsort(-row, kind="stable")] for row in scores]
+        return answers[0] if single else answers
+
+    async def rerank(self, payload: dict) -> list:
+        """TEI's ``POST /rerank`` for a cross-encoder (a sequence classifier of one label): each
+        text scored as the pair (query, text), the sigmoid of its logit (``raw_scores``: the
+        logit), best first: ``[{"index", "score"}]``, with ``"text"`` where ``return_text``."""
+        self._needs("text-classification", "is not a sequence classifier: export a cross-encoder, one whose config "
+                    "names a ...ForSequenceClassification of one label")
+        if self.labels and len(self.labels) != 1:
+            raise self._not_a_reranker(len(self.labels))
+        query = requests.string(payload, "query")
+        texts = requests.texts(payload, "texts", self.limits.max_inputs_per_request)
+        truncate = requests.flag(payload, "truncate", False)
+        raw = requests.flag(payload, "raw_scores", False)
+        return_text = requests.flag(payload, "return_text", False)
+        outputs, _ = await self.outputs([(query, text) for text in texts], truncate)
+        if outputs["logits"].shape[1] != 1:  # a package whose config named no labels: known once it ran
+            raise self._not_a_reranker(outputs["logits"].shape[1])
+        scores = heads.label_scores(outputs["logits"], raw)[:, 0]
+        return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})}
+                for i in np.argsort(-scores, kind="stable")]
+
+    def _not_a_reranker(self, labels: int) -> RequestError:
+        return RequestError(400, f"this package's classifier has {labels} labels; /rerank scores with a cross-encoder's "
+                            "one (use /predict with [text, text_pair] inputs)", "unsupported")
 
     async def classify_tokens(self, payload: dict) -> list:
         """Per text, its entities as transformers' token-classification pipeline finds them

@@ -13,7 +13,7 @@ import numpy as np
 
 from tvmbert.core import artifacts, registry
 from tvmbert.core.config import torch_dtype
-from tvmbert.core.errors import InputError
+from tvmbert.core.errors import InputError, first_line
 from tvmbert.deploy import packing
 from tvmbert.deploy.compiled import CompiledModel
 from tvmbert.frontend import models
@@ -367,8 +367,9 @@ def _openvino_array(openvino, tensor) -> np.ndarray:
 
 
 def failure_line(exc: Exception) -> str:
-    """A peer's failure as the report gives it: its type and its message's first line, cut at 160."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:160]}"
+    """A peer's failure as the report gives it: its type, then its message's first line cut at 160
+    (a bare ``assert`` has none: its type alone)."""
+    return f"{type(exc).__name__}: {first_line(exc)[:160]}" if str(exc).strip() else type(exc).__name__
 
 
 def why_unavailable(name: str, job: Job) -> str | None:
