@@ -283,10 +283,37 @@ def test_each_route_names_what_it_refuses(server, path, payload, status, fragmen
     assert got == status and fragment in said and answer["type"], answer
 
 
+def test_predicts_inputs_are_read_and_its_scores_given_and_ordered_as_teis():
+    """A text, a pair, a batch of lists, as TEI's deserializer reads them (a list of two strings
+    is one pair); a lone label's sigmoid exact far from 0; equal scores the later first."""
+    from tvmbert.serve import heads, requests
+
+    assert requests.sequences({"inputs": "a"}, 4) == (["a"], True)
+    assert requests.sequences({"inputs": ["a"]}, 4) == (["a"], True)
+    assert requests.sequences({"inputs": ["a", "b"]}, 4) == ([("a", "b")], True)
+    assert requests.sequences({"inputs": [["a"], ["a", "b"]]}, 4) == (["a", ("a", "b")], False)
+    for inputs, fragment in ((["a", "b", "c"], "'inputs' holds 3 strings"), ([["a"], "b"], "'inputs'[1] is a str"),
+                             ([[]], "'inputs'[0] holds 0 strings"), ([["a", 1]], "'inputs'[0] holds something other"),
+                             ([], "got an empty list"), ([["a"]] * 5, "at most 4")):
+        with pytest.raises(requests.RequestError, match=re.escape(fragment)):
+            requests.sequences({"inputs": inputs}, 4)
+    assert requests.truncation({"truncate": None}) == (False, "right")
+    assert requests.truncation({"truncate": True, "truncation_direction": "Left"}) == (True, "left")
+    far = np.array([[-700.0], [-40.0], [0.0], [40.0]])
+    np.testing.assert_allclose(heads.label_scores(far, raw=False)[:, 0], np.exp(far[:, 0]) / (1 + np.exp(far[:, 0])), rtol=1e-12)
+    np.testing.assert_allclose(heads.label_scores(np.array([[1.0, 1.0]]), raw=False), [[0.5, 0.5]])
+    assert list(heads.best_first(np.array([0.2, 0.9, 0.2]))) == [1, 2, 0]
+
+
 def test_a_long_text_is_cut_to_the_largest_bucket_when_asked_and_unknown_routes_are_json(server, expected):
     status, vectors = server.post("/embed", {"inputs": "word " * 100, "truncate": True})
     assert status == 200 and expected.tokens(["word " * (SEQ_LEN - 2)]) == SEQ_LEN  # [CLS], the words that fit, [SEP]
     np.testing.assert_allclose(np.array(vectors), expected(["word " * (SEQ_LEN - 2)]), atol=2e-6)
+    ends = "alpha " + "word " * 100 + "omega"  # cut from the left, its end stays
+    status, vectors = server.post("/embed", {"inputs": ends, "truncate": True, "truncation_direction": "left"})
+    assert status == 200
+    np.testing.assert_allclose(np.array(vectors), expected(["word " * (SEQ_LEN - 3) + "omega"]), atol=2e-6)
+    assert server.post("/embed", {"inputs": ends, "truncate": True, "truncation_direction": "up"})[0] == 422
     assert server.request("GET", "/nope")[1]["type"] == "not_found"
     assert server.request("GET", "/embed")[1]["type"] == "method_not_allowed"
 
@@ -489,7 +516,9 @@ def test_a_classifier_package_predicts_its_config_labels_for_texts_and_pairs(tmp
             check(answer, row)
         status, answer = classifier.post("/predict", {"inputs": [premises[0], hypotheses[0]], "raw_scores": True})
         assert status == 200
-        np.testing.assert_allclose(sorted(a["score"] for a in answer), np.sort(pair_logits[0]), atol=1e-5)
+        assert [a["score"] for a in answer] == sorted((a["score"] for a in answer), reverse=True)
+        np.testing.assert_allclose([a["score"] for a in answer], [pair_logits[0][LABELS.index(a["label"])] for a in answer],
+                                   atol=1e-5)
         status, refused = classifier.post("/predict", {"inputs": TEXTS[:3]})
         assert status == 422 and "'inputs' holds 3 strings" in refused["error"]
         status, refused = classifier.post("/rerank", {"query": "q", "texts": ["a"]})

@@ -38,6 +38,7 @@ PACKED_FORMAT = 2  # a package with packed buckets: loaders of format 1 would ru
 WINDOWING_KEPT = 4  # tokenizers kept for question answering's windows, one per stride
 VARIANTS_FORMAT = 3  # a fleet package: a build per CPU, the loader picks one ("variants")
 FORMATS = (FORMAT, PACKED_FORMAT, VARIANTS_FORMAT)
+TRUNCATION_DIRECTIONS = ("right", "left")  # the end a truncated text loses tokens from
 
 
 def sha256(path: Path) -> str:
@@ -107,7 +108,8 @@ class ExportedModel:
             raise PackageError(f"{self.path / MANIFEST_FILE}: not a manifest tvmbert export writes ({type(exc).__name__}: "
                                f"{exc}); export the package again") from None
         self._lock = threading.Lock()
-        self._tokenizer = self._truncating = None
+        self._tokenizer = None
+        self._truncating: dict[str, object] = {}  # by direction
         self._windowing: dict[int, object] = {}  # by stride
         self._tokenizer_lock = threading.Lock()
 
@@ -194,16 +196,20 @@ class ExportedModel:
         tokens; per-sequence outputs (pooled, logits) as one array over the texts."""
         return self.run_encodings(self.tokenize(texts))
 
-    def tokenize(self, texts, truncate: bool = False) -> list:
+    def tokenize(self, texts, truncate: bool = False, direction: str = "right") -> list:
         """The texts' encodings (the ``tokenizers`` package's). A text over the largest bucket is an
-        InputError, or with ``truncate`` cut to it as the tokenizer truncates (special tokens kept)."""
+        InputError, or with ``truncate`` cut to it as the tokenizer truncates (special tokens kept;
+        a pair's longer text first), its tokens dropped from the ``direction`` end ("left": its
+        start, keeping its end)."""
+        if direction not in TRUNCATION_DIRECTIONS:
+            raise InputError(f"direction must be {' or '.join(TRUNCATION_DIRECTIONS)}, got {direction!r}")
         if isinstance(texts, (str, tuple)):
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(_is_text(t) for t in texts):
             raise InputError("encode takes a string, or a non-empty list of strings or of (text, pair) tuples of strings")
         for index, text in enumerate(texts):
             _check_unicode(f"text {index}", "".join(text))
-        encodings = (self._truncating_tokenizer() if truncate else self.tokenizer()).encode_batch(texts)
+        encodings = (self._truncating_tokenizer(direction) if truncate else self.tokenizer()).encode_batch(texts)
         lengths = [len(e.ids) for e in encodings]
         if max(lengths) > self.max_seq_len:
             longest = int(np.argmax(lengths))
@@ -414,13 +420,14 @@ class ExportedModel:
                 self._tokenizer = self._loaded_tokenizer()
         return self._tokenizer
 
-    def _truncating_tokenizer(self):
-        """The tokenizer cutting each text to the largest bucket (TEI's ``truncate``)."""
+    def _truncating_tokenizer(self, direction: str):
+        """The tokenizer cutting each text to the largest bucket from ``direction`` (TEI's
+        ``truncate`` and ``truncation_direction``)."""
         self.tokenizer()  # the same checks first (it takes the lock itself)
         with self._tokenizer_lock:
-            if self._truncating is None:
-                self._truncating = self._loaded_tokenizer(max_length=self.max_seq_len)
-        return self._truncating
+            if direction not in self._truncating:
+                self._truncating[direction] = self._loaded_tokenizer(max_length=self.max_seq_len, direction=direction)
+        return self._truncating[direction]
 
     def _loaded_tokenizer(self, **truncation):
         """A tokenizer of its own from the package's file (each is configured once, then only

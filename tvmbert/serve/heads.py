@@ -27,7 +27,16 @@ def label_scores(logits: np.ndarray, raw: bool) -> np.ndarray:
     logits = np.asarray(logits, np.float64)
     if raw:
         return logits
-    return 0.5 * (1 + np.tanh(logits / 2)) if logits.shape[-1] == 1 else softmax(logits)  # the sigmoid, never overflowing
+    if logits.shape[-1] != 1:
+        return softmax(logits)
+    small = np.exp(-np.abs(logits))  # the sigmoid from the side where it neither overflows nor cancels
+    return np.where(logits >= 0, 1 / (1 + small), small / (1 + small))
+
+
+def best_first(scores: np.ndarray) -> np.ndarray:
+    """Indices by score, highest first, as TEI orders them (ascending, then reversed: of equal
+    scores, the later first)."""
+    return np.argsort(scores, kind="stable")[::-1]
 
 
 def _tag(label: str) -> tuple[str, str]:

@@ -17,6 +17,8 @@ VECTORS = {"type": "array", "items": {"type": "array", "items": {"type": "number
 # TEI's: a text, a pair [text, text_pair], or a batch of them as lists.
 SEQUENCE = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2}
 SEQUENCES = {"oneOf": [{"type": "string"}, SEQUENCE, {"type": "array", "items": SEQUENCE, "minItems": 1}]}
+TRUNCATION = {"truncate": {"type": "boolean", "default": False, "nullable": True},
+              "truncation_direction": {"enum": ["right", "left", "Right", "Left"], "default": "right"}}
 LABELS = {"type": "array", "items": {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}}}}
 
 # (method, path, summary, request body schema or None, answer schema)
@@ -33,18 +35,18 @@ ROUTES = (
          "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}),
     ("post", "/embed", "TEI's embed: one vector per input; truncate cuts a text to the package's longest input",
      {"type": "object", "required": ["inputs"], "properties": {
-         "inputs": TEXTS, "normalize": {"type": "boolean", "default": True}, "truncate": {"type": "boolean", "default": False}}},
+         "inputs": TEXTS, "normalize": {"type": "boolean", "default": True}, **TRUNCATION}},
      VECTORS),
     ("post", "/predict", "TEI's predict, for a sequence classifier: per input (a text or a pair), every label with its "
      "score, most likely first: a softmax over the labels, a lone label's sigmoid, or the logits with raw_scores; one "
      "input's list, or a batch's list of them",
      {"type": "object", "required": ["inputs"], "properties": {
-         "inputs": SEQUENCES, "truncate": {"type": "boolean", "default": False}, "raw_scores": {"type": "boolean", "default": False}}},
+         "inputs": SEQUENCES, **TRUNCATION, "raw_scores": {"type": "boolean", "default": False}}},
      {"oneOf": [LABELS, {"type": "array", "items": LABELS}]}),
     ("post", "/rerank", "TEI's rerank, for a cross-encoder (a sequence classifier of one label): each text scored as the "
      "pair (query, text), the sigmoid of its logit (raw_scores: the logit), best first",
      {"type": "object", "required": ["query", "texts"], "properties": {
-         "query": {"type": "string"}, "texts": TEXTS, "truncate": {"type": "boolean", "default": False},
+         "query": {"type": "string"}, "texts": TEXTS, **TRUNCATION,
          "raw_scores": {"type": "boolean", "default": False}, "return_text": {"type": "boolean", "default": False}}},
      {"type": "array", "items": {"type": "object", "properties": {
          "index": {"type": "integer"}, "score": {"type": "number"}, "text": {"type": "string"}}}}),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from tvmbert.core.errors import InputError
+from tvmbert.deploy.package import TRUNCATION_DIRECTIONS
 
 
 class RequestError(InputError):
@@ -115,6 +116,18 @@ def flag(payload: dict, field: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise RequestError(422, f"'{field}' must be true or false, got {json.dumps(value)[:40]}")
     return value
+
+
+def truncation(payload: dict) -> tuple[bool, str]:
+    """TEI's ``truncate`` (false, or null, by default: a text over the largest bucket is a 413,
+    never cut unasked) and ``truncation_direction`` (the end a cut text loses tokens from:
+    "right", the default, or "left"; TEI's capitalized spellings too)."""
+    truncate = False if payload.get("truncate") is None else flag(payload, "truncate", False)
+    direction = payload.get("truncation_direction", "right")
+    if not isinstance(direction, str) or direction.lower() not in TRUNCATION_DIRECTIONS:
+        raise RequestError(422, f"'truncation_direction' must be {' or '.join(repr(d) for d in TRUNCATION_DIRECTIONS)}, "
+                           f"got {json.dumps(direction)[:40]}")
+    return truncate, direction.lower()
 
 
 def choice(payload: dict, field: str, allowed: tuple[str, ...]) -> str:

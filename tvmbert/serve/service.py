@@ -57,23 +57,25 @@ class Service:
     async def stop(self) -> None:
         await self.batcher.stop()
 
-    async def _tokenized(self, texts: list[str], truncate: bool) -> list:
-        """The texts' encodings, off the event loop. A text over the largest bucket is a 413, unless ``truncate``."""
+    async def _tokenized(self, texts: list, truncation: tuple[bool, str]) -> list:
+        """The texts' encodings, off the event loop. A text over the largest bucket is a 413,
+        unless ``truncation`` (``requests.truncation``: whether to cut, and from which end) cuts it."""
         try:
-            return await asyncio.to_thread(self.model.tokenize, texts, truncate)
+            return await asyncio.to_thread(self.model.tokenize, texts, *truncation)
         except InputError as exc:
             raise requests.too_large(f"{exc} (or send \"truncate\": true)") from None
 
-    async def outputs(self, texts: list[str], truncate: bool) -> tuple[dict, int]:
-        """The package's outputs for ``texts``, run in a batch with other requests', and their token count."""
-        encodings = await self._tokenized(texts, truncate)
+    async def outputs(self, texts: list, truncation: tuple[bool, str]) -> tuple[dict, int]:
+        """The package's outputs for ``texts`` (strings, or pairs as tuples), run in a batch with
+        other requests', and their token count."""
+        encodings = await self._tokenized(texts, truncation)
         return await self.batcher.submit(encodings), sum(len(e.ids) for e in encodings)
 
-    async def vectors(self, payload: dict, field: str, normalize: bool, truncate: bool) -> tuple[list[np.ndarray], int]:
+    async def vectors(self, payload: dict, field: str, normalize: bool, truncation: tuple[bool, str]) -> tuple[list[np.ndarray], int]:
         """One pooled vector per text of ``payload[field]``, and their token count."""
         self._needs("feature-extraction", "gives no last_hidden_state, so no embeddings: export the encoder")
         texts = requests.texts(payload, field, self.limits.max_inputs_per_request)
-        outputs, tokens = await self.outputs(texts, truncate)
+        outputs, tokens = await self.outputs(texts, truncation)
         vectors = [pool(hidden, self.pooling) for hidden in outputs["last_hidden_state"]]
         return [normalized(v) for v in vectors] if normalize else vectors, tokens
 
@@ -86,7 +88,7 @@ class Service:
         model = requests.optional_string(payload, "model")
         if payload.get("dimensions") is not None:
             raise RequestError(422, "'dimensions' is not taken: this model's vectors have one size")
-        vectors, tokens = await self.vectors(payload, "input", self.normalize_default, truncate=False)
+        vectors, tokens = await self.vectors(payload, "input", self.normalize_default, (False, "right"))
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64" else v.tolist()}
                 for i, v in enumerate(vectors)]
@@ -96,8 +98,7 @@ class Service:
     async def embed(self, payload: dict) -> list:
         """TEI's ``POST /embed``."""
         normalize = requests.flag(payload, "normalize", True)
-        truncate = requests.flag(payload, "truncate", False)
-        vectors, _ = await self.vectors(payload, "inputs", normalize, truncate)
+        vectors, _ = await self.vectors(payload, "inputs", normalize, requests.truncation(payload))
         return [v.tolist() for v in vectors]
 
     async def predict(self, payload: dict) -> list:
@@ -106,13 +107,13 @@ class Service:
         likely first; one input's answer is that list, a batch's a list of them, as TEI's."""
         self._needs("text-classification", "is not a sequence classifier: export one whose config names a "
                     "...ForSequenceClassification")
-        truncate = requests.flag(payload, "truncate", False)
+        truncation = requests.truncation(payload)
         raw = requests.flag(payload, "raw_scores", False)
         sequences, single = requests.sequences(payload, self.limits.max_inputs_per_request)
-        outputs, _ = await self.outputs(sequences, truncate)
+        outputs, _ = await self.outputs(sequences, truncation)
         scores = heads.label_scores(outputs["logits"], raw)
         names = self._label_names(scores.shape[1])
-        answers = [[{"label": names[i], "score": float(row[i])} for i in np.argsort(-row, kind="stable")] for row in scores]
+        answers = [[{"label": names[i], "score": float(row[i])} for i in heads.best_first(row)] for row in scores]
         return answers[0] if single else answers
 
     async def rerank(self, payload: dict) -> list:
@@ -125,15 +126,15 @@ class Service:
             raise self._not_a_reranker(len(self.labels))
         query = requests.string(payload, "query")
         texts = requests.texts(payload, "texts", self.limits.max_inputs_per_request)
-        truncate = requests.flag(payload, "truncate", False)
+        truncation = requests.truncation(payload)
         raw = requests.flag(payload, "raw_scores", False)
         return_text = requests.flag(payload, "return_text", False)
-        outputs, _ = await self.outputs([(query, text) for text in texts], truncate)
+        outputs, _ = await self.outputs([(query, text) for text in texts], truncation)
         if outputs["logits"].shape[1] != 1:  # a package whose config named no labels: known once it ran
             raise self._not_a_reranker(outputs["logits"].shape[1])
         scores = heads.label_scores(outputs["logits"], raw)[:, 0]
         return [{"index": int(i), "score": float(scores[i]), **({"text": texts[i]} if return_text else {})}
-                for i in np.argsort(-scores, kind="stable")]
+                for i in heads.best_first(scores)]
 
     def _not_a_reranker(self, labels: int) -> RequestError:
         return RequestError(400, f"this package's classifier has {labels} labels; /rerank scores with a cross-encoder's "
@@ -148,7 +149,7 @@ class Service:
         aggregation = requests.choice(payload, "aggregation_strategy", heads.AGGREGATIONS)
         truncate = requests.flag(payload, "truncate", False)
         texts = requests.texts(payload, "inputs", self.limits.max_inputs_per_request)
-        encodings = await self._tokenized(texts, truncate)
+        encodings = await self._tokenized(texts, (truncate, "right"))
         outputs = await self.batcher.submit(encodings)
         names = self._label_names(outputs["logits"][0].shape[-1])
         return [heads.token_entities(text, encoding, logits, names, aggregation, self._join_tokens, self._unknown_id)
