@@ -49,17 +49,23 @@ async def read_json(request, max_bytes: int) -> dict:
     return payload
 
 
+def _inputs(value, field: str, single: bool, expected: str, max_inputs: int) -> list:
+    """A request's inputs as a list: ``[value]`` where it was ``single``, else ``value``, which
+    must be a non-empty list of at most ``max_inputs``; ``expected`` says what the field takes."""
+    items = [value] if single else value
+    if not isinstance(items, list) or not items:
+        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
+        raise RequestError(422, f"'{field}' must be {expected}, got {got}")
+    if len(items) > max_inputs:
+        raise too_large(f"'{field}' holds {len(items)} inputs; this server takes at most {max_inputs} a request")
+    return items
+
+
 def texts(payload: dict, field: str, max_inputs: int) -> list[str]:
     """``payload[field]``: a string or a non-empty list of strings (Unicode text: no lone
     surrogate), at most ``max_inputs`` of them."""
     value = payload.get(field)
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
-        raise RequestError(422, f"'{field}' must be a string or a non-empty list of strings, got {got}")
-    if len(value) > max_inputs:
-        raise too_large(f"'{field}' holds {len(value)} inputs; this server takes at most {max_inputs} a request")
+    value = _inputs(value, field, isinstance(value, str), "a string or a non-empty list of strings", max_inputs)
     for index, text in enumerate(value):
         if not isinstance(text, str):
             raise RequestError(422, f"'{field}'[{index}] is a {type(text).__name__}: every input must be a string "
@@ -76,13 +82,8 @@ def sequences(payload: dict, max_inputs: int) -> tuple[list[str | tuple[str, str
     is refused, as TEI refuses it: read as a batch, a list of two would have been one pair."""
     value = payload.get("inputs")
     single = isinstance(value, str) or (isinstance(value, list) and bool(value) and isinstance(value[0], str))
-    items = [value] if single else value
-    if not isinstance(items, list) or not items:
-        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
-        raise RequestError(422, f"'inputs' must be a text, a pair [text, text_pair], or a batch of them as lists "
-                           f"([[\"text\"], [\"text\", \"pair\"]]), got {got}")
-    if len(items) > max_inputs:
-        raise too_large(f"'inputs' holds {len(items)} inputs; this server takes at most {max_inputs} a request")
+    items = _inputs(value, "inputs", single, "a text, a pair [text, text_pair], or a batch of them as lists "
+                    "([[\"text\"], [\"text\", \"pair\"]])", max_inputs)
     found = []
     for index, item in enumerate(items):
         where = "'inputs'" if single else f"'inputs'[{index}]"
@@ -167,13 +168,8 @@ def question_contexts(payload: dict, max_inputs: int) -> tuple[list[tuple[str, s
     (question, context) pairs; and whether it was one object (answered with one answer)."""
     value = payload.get("inputs")
     single = isinstance(value, dict)
-    items = [value] if single else value
-    if not isinstance(items, list) or not items:
-        got = "nothing" if value is None else "an empty list" if value == [] else type(value).__name__
-        raise RequestError(422, "'inputs' must be an object {\"question\": ..., \"context\": ...} or a non-empty list of them, "
-                           f"got {got}")
-    if len(items) > max_inputs:
-        raise too_large(f"'inputs' holds {len(items)} inputs; this server takes at most {max_inputs} a request")
+    items = _inputs(value, "inputs", single, "an object {\"question\": ..., \"context\": ...} or a non-empty list of them",
+                    max_inputs)
     pairs = []
     for index, item in enumerate(items):
         where = "'inputs'" if single else f"'inputs'[{index}]"
