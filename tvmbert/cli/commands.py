@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import warnings
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from tvmbert.core.config import JobConfig
 from tvmbert.core.errors import CheckFailed, InputError
 from tvmbert.core.families import TASKS
 from tvmbert.core.registry import ENGINES as ENGINE_NAMES
-from tvmbert.serve.pooling import MODES as POOLING_MODES
+from tvmbert.deploy.sentences import MODES as POOLING_MODES
+from tvmbert.deploy.sentences import PRECISIONS
 
 INVOCATION: list[str] = []  # the command line, as the user typed it, for reports
 
@@ -387,5 +390,74 @@ def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_req
         ready=lambda bound_host, bound_port: err.print(f"serve: {package} on http://{bound_host}:{bound_port}", markup=False))
 
 
+@click.command()
+@click.argument("package", type=click.Path(file_okay=False))
+@click.argument("source", metavar="INPUT", type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(),
+              help="OUT.parquet: one file (the shards merged at the end); any other name: a folder of Parquet shards.")
+@click.option("--text-field", default="text", show_default=True, help="The text's key in JSONL, column in CSV/TSV and Parquet.")
+@click.option("--id-field", help="Each row's id, kept beside its vector (default: none; the row's number is always kept as 'row').")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="float32", show_default=True,
+              help="As sentence-transformers' quantize_embeddings: int8/uint8 calibrated on the first shard, binary packed 8 a byte.")
+@click.option("--dimensions", type=click.IntRange(1), help="The first N dimensions (a Matryoshka model), unit length again "
+              "where the model normalizes.")
+@click.option("--prompt", help="Put before every text (sentence-transformers' encode(prompt=...)).")
+@click.option("--prompt-name", help="One of the package's config_sentence_transformers.json prompts (default: its default_prompt_name).")
+@click.option("--pooling", type=click.Choice(POOLING_MODES), help="Default: the package's sentence-transformers config, else mean_tokens.")
+@click.option("--normalize/--no-normalize", default=None, help="Unit-length vectors (default: as the package's config says).")
+@click.option("--shard-rows", type=click.IntRange(1), default=4096, show_default=True,
+              help="Rows a shard: the most a resumed run redoes, and the window texts are sorted by length in.")
+@click.option("--max-batch-tokens", type=click.IntRange(1), default=16384, show_default=True,
+              help="Rows x the longest in one call of the package.")
+@click.option("--no-truncate", is_flag=True, help="A text over the package's longest input is a bad row (default: cut to it, "
+              "as sentence-transformers cuts, and counted).")
+@click.option("--skip-bad", is_flag=True, help="Count bad rows (missing field, not UTF-8, empty) and list them in OUT.bad.jsonl "
+              "instead of stopping at the first.")
+@click.option("--overwrite", is_flag=True, help="Start again where OUT holds a finished or another job's output.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run the shards on Ray Data actors: a cluster's address, or alone for a local cluster (the ray extra).")
+@click.option("--actors", type=click.IntRange(1), default=2, show_default=True, help="With --ray: actors, each loading the package once.")
+@click.option("--actor-cpus", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="With --ray: Ray CPUs each actor takes, and as many TVM threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
+def embed(package, source, output, text_field, id_field, precision, dimensions, prompt, prompt_name, pooling, normalize, shard_rows,
+          max_batch_tokens, no_truncate, skip_bad, overwrite, ray_address, actors, actor_cpus, as_json):
+    """Embed a corpus (JSONL, CSV/TSV, Parquet, text lines, or a folder of them) into Parquet with
+    an exported package: resumable after Ctrl-C, SIGTERM or kill -9, the same on a Ray cluster
+    (docs/embed.md)."""
+    from tvmbert.embed.corpus import Fields
+    from tvmbert.embed.pipeline import Options
+
+    options = Options(Fields(text_field, id_field), precision, dimensions, prompt, prompt_name, pooling, normalize, shard_rows,
+                      max_batch_tokens, not no_truncate, skip_bad, overwrite)
+    with render.EmbedProgress(source) as progress, _terminated_as_interrupt():
+        if ray_address is not None:
+            try:
+                from tvmbert.embed.on_ray import embed_on_ray
+            except ImportError as exc:
+                raise InputError(f"--ray needs Ray Data ({exc}): pip install 'tvmbert[ray]'") from None
+            summary = embed_on_ray(package, source, output, options, None if ray_address == "local" else ray_address, actors,
+                                   actor_cpus, progress)
+        else:
+            from tvmbert.embed.pipeline import embed_corpus
+
+            summary = embed_corpus(package, source, output, options, progress)
+    _emit(as_json, summary, render.embed)
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt():
+    """SIGTERM stops the command as Ctrl-C does (what it finished is kept, exit 130), instead of
+    killing it mid-write."""
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # In the order `tvmbert --help` lists them.
-COMMANDS = (trace, convert, optimize, tune, compact, build, verify, bench, export, run_config, serve)
+COMMANDS = (trace, convert, optimize, tune, compact, build, verify, bench, export, run_config, serve, embed)

@@ -240,3 +240,52 @@ def run(results):
                 "tune": tune}
     for stage, result in results.items():
         printers.get(stage, artifact(stage))(result)
+
+
+class EmbedProgress:
+    """`tvmbert embed`'s progress on stderr: a rich bar (texts/s, tokens/s, ETA) on a terminal, a
+    plain line at most every ``PLAIN_EVERY_S`` seconds (and at the end) elsewhere: a CI log or a
+    file keeps a readable record instead of a bar's redraws."""
+
+    PLAIN_EVERY_S = 10.0
+
+    def __init__(self, what: str):
+        self.what, self.bar, self.said_at = what, None, None
+        if err.is_terminal:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+                                TextColumn("{task.fields[rates]}"), TimeRemainingColumn(), console=err, transient=True)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+            self.task = self.bar.add_task(f"embed {self.what}", total=1.0, rates="")
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.stop()
+
+    def __call__(self, tally) -> None:
+        rates = f"{tally.rows / tally.seconds:,.0f} texts/s, {tally.tokens / tally.seconds:,.0f} tokens/s" if tally.seconds else ""
+        if self.bar:
+            self.bar.update(self.task, completed=tally.fraction, rates=rates)
+            return
+        if self.said_at is not None and tally.seconds - self.said_at < self.PLAIN_EVERY_S and tally.fraction < 1:
+            return
+        self.said_at = tally.seconds
+        eta = tally.eta_s()
+        err.print(f"embed: {tally.fraction:6.1%}  {tally.rows:,} texts, {tally.bad:,} bad, {rates}"
+                  + (f", {eta:,.0f} s left" if eta is not None and tally.fraction < 1 else ""), markup=False)
+
+
+def embed(summary):
+    resumed = f" ({summary['resumed_shards']} of {summary['shards']} shards from an earlier run)" if summary["resumed_shards"] else ""
+    err.print(f"embed: {summary['rows_in']:,} rows in = {summary['rows_out']:,} vectors + {summary['bad']:,} bad rows"
+              f"{resumed}", markup=False)
+    err.print(f"embed: {summary['texts']:,} texts, {summary['tokens']:,} tokens ({summary['truncated']:,} texts truncated), "
+              f"{summary['seconds']:,.1f} s, {summary['texts_per_s'] or 0:,.1f} texts/s, {summary['tokens_per_s'] or 0:,.0f} tokens/s, "
+              f"padding {summary['padding']:.1%}", markup=False)
+    err.print(f"embed: {summary['precision']} vectors of {summary['dimensions']} -> {summary['output']}"
+              + (f"; bad rows listed in {summary['bad_rows_file']}" if summary["bad_rows_file"] else ""), markup=False)

@@ -240,9 +240,10 @@ class ExportedModel:
         first = tokenizer.encode(question, context)
         return [first, *first.overflowing]
 
-    def run_encodings(self, encodings) -> dict:
+    def run_encodings(self, encodings, plan: list[tuple[int, list[int]]] | None = None) -> dict:
         """``encode`` of texts ``tokenize`` encoded (a server tokenizes each request as it comes,
-        and runs many requests' encodings at once)."""
+        and runs many requests' encodings at once); ``plan``: ``plan``'s answer for their
+        lengths, where the caller made it already (to count the padding it runs)."""
         lengths = np.array([len(e.ids) for e in encodings])
         width = int(lengths.max())
         fields = {"input_ids": "ids", MASK_INPUT: "attention_mask", "token_type_ids": "type_ids"}
@@ -255,7 +256,7 @@ class ExportedModel:
             for row, encoding in enumerate(encodings):
                 array[row, : lengths[row]] = getattr(encoding, fields[name])
             arrays[name] = array
-        results = self._run_checked(arrays, lengths)
+        results = self._run_checked(arrays, lengths, plan)
         return {name: ([values[row, : lengths[row]] for row in range(len(encodings))] if self._per_token(name) else values)
                 for name, values in results.items()}
 
@@ -328,15 +329,19 @@ class ExportedModel:
         for start in range(count - 1, -1, -1):
             longest = lengths[order[start]]
             best[start] = float("inf")
+            long_enough = [(b.cost_ms, i) for i, b in enumerate(self.buckets) if b.seq_len >= longest]
+            padded = self._cheapest_padded(long_enough)
+            packed = [(cost, i) for cost, i in long_enough if self.buckets[i].tokens is not None]
             tokens, packs = 0, True
             for size in range(1, min(self.max_batch, count - start) + 1):
                 tokens += lengths[order[start + size - 1]]
                 packs = packs and (packable is None or bool(packable[order[start + size - 1]]))
-                fits = [i for i, b in enumerate(self.buckets) if b.batch >= size and b.seq_len >= longest
-                        and (b.tokens is None or (packs and tokens <= b.tokens))]
+                fits = [padded[size]] if padded[size] else []
+                if packs:
+                    fits += [(cost, i) for cost, i in packed if self.buckets[i].batch >= size and tokens <= self.buckets[i].tokens]
                 if not fits:
                     continue
-                index = min(fits, key=lambda i: self.buckets[i].cost_ms)
+                index = min(fits)[1]
                 total = self.buckets[index].cost_ms + best[start + size]
                 if total < best[start]:
                     best[start], choice[start] = total, (index, size)
@@ -350,7 +355,21 @@ class ExportedModel:
             start += size
         return groups
 
-    def _run_checked(self, arrays: dict[str, np.ndarray], lengths) -> dict[str, np.ndarray]:
+    def _cheapest_padded(self, buckets: list[tuple[float, int]]) -> list[tuple[float, int] | None]:
+        """For each row count up to the largest batch, the cheapest padded bucket of ``buckets``
+        ((cost, index), long enough already) that takes as many rows (of equal costs, the first):
+        the planner asks it for every group it weighs."""
+        by_batch: list[tuple[float, int] | None] = [None] * (self.max_batch + 2)
+        for cost, index in buckets:
+            if self.buckets[index].tokens is None:
+                batch = self.buckets[index].batch
+                by_batch[batch] = min(by_batch[batch] or (cost, index), (cost, index))
+        for size in range(self.max_batch, 0, -1):  # a bucket of more rows takes fewer too
+            if by_batch[size + 1] is not None:
+                by_batch[size] = min(by_batch[size] or by_batch[size + 1], by_batch[size + 1])
+        return by_batch
+
+    def _run_checked(self, arrays: dict[str, np.ndarray], lengths, plan=None) -> dict[str, np.ndarray]:
         """Checks every value against its range (TVM's take reads past the table for an id out
         of it: garbage, NaN or a segfault), then runs the plan; outputs in the rows' order."""
         for spec in self.inputs:
@@ -358,7 +377,7 @@ class ExportedModel:
             check_range(spec["name"], array, spec["limit"])
         lengths = [int(n) for n in lengths]
         results: dict[str, np.ndarray] = {}
-        for index, rows in self.plan(lengths, arrays[MASK_INPUT].any(axis=1)):
+        for index, rows in plan or self.plan(lengths, arrays[MASK_INPUT].any(axis=1)):
             outputs = self._run_bucket(index, {name: array[rows] for name, array in arrays.items()}, [lengths[r] for r in rows])
             for spec, values in zip(self.outputs, outputs):
                 if spec["name"] not in results:

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tvmbert.core.errors import InputError
+from tvmbert.deploy.sentences import MODES, normalized, pool
 from tvmbert.serve import heads, requests
 from tvmbert.serve.batcher import Batcher
 from tvmbert.serve.metrics import Metrics
-from tvmbert.serve.pooling import MODES, normalized, pool
 from tvmbert.serve.requests import RequestError
 
 

@@ -238,6 +238,7 @@ def _write_package(folder: Path, job: Job, built: list, trace_meta: dict, conver
         "weights": {key: {"dtype": a.dtype.name, "shape": list(a.shape)} for key, a in weights.items()},
         "tokenizer": tokenizer,
         "pooling": _pooling(job),
+        "prompts": _prompts(job),
         "labels": _labels(job),
         "versions": {**trace_meta.get("versions", {}), "numpy": np.__version__, "tvmbert": _version(),
                      "python": platform.python_version()},
@@ -294,6 +295,23 @@ def _pooling(job: Job) -> dict | None:
     if mode is None:
         return None
     return {"mode": mode, "normalize": any(m.get("type", "").endswith(".Normalize") for m in modules)}
+
+
+def _prompts(job: Job) -> dict | None:
+    """config_sentence_transformers.json's named prompts (an instruction model's "query: ") and
+    the one it applies by default: {"prompts": {name: text}, "default": name or None}; None
+    where the folder names none."""
+    if job.source.path is None or not (job.source.path / "config_sentence_transformers.json").is_file():
+        return None
+    try:
+        config = json.loads((job.source.path / "config_sentence_transformers.json").read_text())
+        prompts = {str(name): str(text) for name, text in (config.get("prompts") or {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    default = config.get("default_prompt_name")
+    if not prompts:
+        return None
+    return {"prompts": prompts, "default": default if default in prompts else None}
 
 
 def _copy_tokenizer(job: Job, folder: Path) -> str | None:
