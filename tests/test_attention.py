@@ -571,3 +571,11 @@ def test_the_int8_kernel_keeps_a_long_rows_small_weights():
 def test_the_int8_kernel_takes_whole_score_tiles_of_keys_on_avx512():
     assert attention.vnni_int8_fits(128, 64, 16) and attention.vnni_int8_fits(32, 16, 16)
     assert not attention.vnni_int8_fits(48, 64, 16) and not attention.vnni_int8_fits(32, 8, 16) and not attention.vnni_int8_fits(32, 64, 8)
+
+
+def test_a_register_tile_is_a_power_of_two_vectors():
+    """A tile of three vectors (48 floats at 16 lanes: 48 and 96 tokens) became one 48-lane
+    vector that LLVM widened and split: all-MiniLM-L6-v2's attention at 8 x 48 took 25 ms, 1.75
+    with a tile of one vector."""
+    assert [attention.vectors_per_tile(count, 16) for count in (1, 2, 3, 4, 6, 8, 9, 12)] == [1, 2, 1, 4, 2, 4, 1, 4]
+    assert [attention.vectors_per_tile(count, 8) for count in (1, 2, 3, 6)] == [1, 2, 1, 2]

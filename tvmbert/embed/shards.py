@@ -74,6 +74,8 @@ class Output:
         """The job as recorded (``job``, or the one a killed run recorded, with what it learnt
         since, such as int8's calibration ranges). A different job there is refused."""
         recorded = self.job()
+        for left in self.parts.glob(".part-*") if self.parts.is_dir() else ():  # a shard a killed run was writing
+            left.unlink(missing_ok=True)
         if recorded is None:
             self.parts.mkdir(parents=True, exist_ok=True)
             artifacts.write_json(self.parts / JOB_FILE, job)

@@ -122,9 +122,10 @@ def _across_lanes(partial, count: int, combine, lanes: int | None = None):
 
 def vectors_per_tile(count: int, lanes: int) -> int:
     """Vectors per row of a register tile over ``count`` vectors: ``ROWS`` x this many
-    accumulators leave registers for the loads (32 vector registers with AVX-512, 16 with AVX2)."""
-    most = 4 if lanes >= 16 else 2
-    return next(v for v in range(most, 0, -1) if count % v == 0)
+    accumulators leave registers for the loads (32 vector registers with AVX-512, 16 with AVX2).
+    A power of two: a tile of three (48 floats, at 48 or 96 tokens) became one vector of 48
+    lanes that LLVM widened and split, and the attention at 48 tokens took 14x its time at one."""
+    return next(v for v in ((4, 2, 1) if lanes >= 16 else (2, 1)) if count % v == 0)
 
 
 @dataclass(frozen=True)
