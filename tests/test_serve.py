@@ -229,7 +229,12 @@ def test_a_bad_request_is_one_4xx_with_a_json_error_and_costs_nothing(server, ex
 @pytest.mark.parametrize("path, payload, status, fragment", [
     ("/v1/embeddings", {"input": "ok", "encoding_format": "int8"}, 422, "'encoding_format' must be 'float' or 'base64'"),
     ("/v1/embeddings", {"input": "ok", "model": 7}, 422, "'model' must be a string"),
-    ("/v1/embeddings", {"input": "ok", "dimensions": 8}, 422, "'dimensions' is not taken"),
+    ("/v1/embeddings", {"input": "ok", "dimensions": 33}, 422, "'dimensions' must be an integer from 1 to 32"),
+    ("/embed", {"inputs": "ok", "dimensions": 0}, 422, "'dimensions' must be an integer from 1 to 32"),
+    ("/embed", {"inputs": "ok", "prompt_name": "title"}, 422, "not one of this model's prompts (passage, query)"),
+    ("/tokenize", {"inputs": ["ok", 3]}, 422, "'inputs'[1] is a int"),
+    ("/decode", {"ids": [1, -1]}, 422, "must be a non-empty list of token ids"),
+    ("/decode", {"ids": [[1], []]}, 422, "'ids'[1] must be a non-empty list"),
     ("/v1/embeddings", {"input": [[101, 102]]}, 422, "token ids are not taken"),
     ("/predict", {"inputs": "ok"}, 400, "not a sequence classifier"),
     ("/rerank", {"query": "ok", "texts": ["ok"]}, 400, "not a sequence classifier"),
@@ -699,3 +704,86 @@ def test_ray_replicas_share_requests_and_one_killed_mid_run_leaves_the_other_ser
     finally:
         assert replicated.stop() == 0
     assert time.monotonic() - stopping < 45  # replicas.STOP_S
+
+
+KEY = "tvmbert-test-key-0123456789"
+
+
+def test_an_api_key_guards_every_route_but_health_and_is_never_said(package, tmp_path):
+    """A key from a file: no key or a wrong one is a 401 JSON body on every route (and a path no
+    route serves), counted in /metrics; /health answers without; the key is in no log line and no
+    answer; a body over --max-body-bytes is a 413 before it is parsed."""
+    (tmp_path / "key").write_text(KEY + "\n")
+    running = Server(package, "--api-key-file", str(tmp_path / "key"), "--max-body-bytes", "4096")
+    try:
+        right = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+        body = json.dumps({"inputs": ["a text"]}).encode()
+        for headers in ({}, {"authorization": f"Bearer {KEY}x"}, {"authorization": KEY}, {"authorization": f"Basic {KEY}"}):
+            status, answer = running.request("POST", "/embed", body, {**headers, "content-type": "application/json"})
+            assert status == 401 and answer["type"] == "unauthorized" and "Authorization: Bearer" in answer["error"], answer
+        status, answer = running.request("POST", "/v1/embeddings", json.dumps({"input": "x"}).encode(), {})
+        assert status == 401 and answer["error"]["type"] == "unauthorized"  # OpenAI's error object, which its client reads
+        for path in ("/info", "/metrics", "/openapi.json", "/docs", "/no-such-route"):
+            assert running.request("GET", path)[0] == 401, path
+        assert running.request("GET", "/health")[0] == 200
+        status, vectors = running.request("POST", "/embed", body, right)
+        assert status == 200 and len(vectors[0]) == 32
+        assert running.request("POST", "/embed", body, {**right, "authorization": f"bearer {KEY}"})[0] == 200
+        status, answer = running.request("POST", "/embed", b"[" * 5000, right)
+        assert status == 413 and answer["type"] == "payload_too_large"
+        status, info = running.request("GET", "/info", headers=right)
+        assert status == 200 and KEY not in json.dumps(info) and info["limits"]["max_body_bytes"] == 4096
+        metrics = running.request("GET", "/metrics", headers=right)[1].decode()
+        assert 'tvmbert_requests_total{route="/embed",status="401"} 4' in metrics
+        assert 'tvmbert_requests_total{route="other",status="401"} 1' in metrics
+    finally:
+        running.stop()
+    assert KEY not in "".join(running.said)
+
+
+def test_a_server_beyond_loopback_without_a_key_is_warned_about_and_bad_keys_are_refused(tvmbert, package, tmp_path, monkeypatch):
+    from tvmbert.serve.run import exposure_warning
+
+    assert "without --api-key" in exposure_warning("0.0.0.0", None) and "without --api-key" in exposure_warning("10.1.2.3", None)
+    assert exposure_warning("0.0.0.0", KEY) is None and exposure_warning("127.0.0.1", None) is None
+    assert exposure_warning("::1", None) is None and exposure_warning("localhost", None) is None
+    for options, said in ((("--api-key", "two words"), "printable, without spaces"), (("--api-key", ""), "not empty"),
+                          (("--api-key-file", str(tmp_path / "missing")), "cannot be read")):
+        result = tvmbert("serve", str(package), *options, workdir_arg=False)
+        assert result.code == 2 and said in result.stderr and "two words" not in result.stderr, result.stderr
+    monkeypatch.setenv("TVMBERT_API_KEY", KEY)
+    (tmp_path / "key").write_text("other")
+    result = tvmbert("serve", str(package), "--api-key-file", str(tmp_path / "key"), workdir_arg=False)
+    assert result.code == 2 and "one or the other" in result.stderr and KEY not in result.stderr
+
+
+def test_dimensions_prompts_tokenize_and_decode_answer_as_tei_and_sentence_transformers(server, encoder):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(encoder), device="cpu")
+    model.max_seq_length = SEQ_LEN
+    status, cut = server.post("/embed", {"inputs": TEXTS, "dimensions": 8})
+    assert status == 200
+    np.testing.assert_allclose(np.array(cut), model.encode(TEXTS, truncate_dim=8, normalize_embeddings=True), atol=2e-6)
+    status, answer = server.post("/v1/embeddings", {"input": TEXTS[:2], "dimensions": 8})
+    assert status == 200 and [len(item["embedding"]) for item in answer["data"]] == [8, 8]
+    np.testing.assert_allclose([item["embedding"] for item in answer["data"]], np.array(cut[:2]), atol=1e-7)
+    status, queries = server.post("/embed", {"inputs": TEXTS, "prompt_name": "query"})
+    np.testing.assert_allclose(np.array(queries), model.encode(TEXTS, prompt_name="query"), atol=2e-6)
+    assert server.request("GET", "/info")[1]["prompts"] == {"passage": "passage: ", "query": "query: "}
+
+    text = "Café au lait, s'il vous plaît"
+    status, tokens = server.post("/tokenize", {"inputs": text})
+    expected = model.tokenizer(text)["input_ids"]
+    assert status == 200 and [t["id"] for t in tokens[0]] == expected
+    assert tokens[0][0] == {"id": expected[0], "text": "[CLS]", "special": True, "start": None, "stop": None}
+    data = text.encode()
+    for token in tokens[0][1:-1]:  # byte offsets into the text, as TEI's
+        assert not token["special"] and token["text"] == data[token["start"]:token["stop"]].decode()
+    assert tokens[0][1]["text"] == "Café" or tokens[0][1]["stop"] <= len("Café".encode())
+    status, bare = server.post("/tokenize", {"inputs": [text, "hi"], "add_special_tokens": False, "prompt_name": "query"})
+    assert status == 200 and [t["id"] for t in bare[1]] == model.tokenizer("query: hi", add_special_tokens=False)["input_ids"]
+    status, decoded = server.post("/decode", {"ids": expected})
+    assert status == 200 and decoded == [model.tokenizer.decode(expected, skip_special_tokens=True)]
+    status, decoded = server.post("/decode", {"ids": [expected, expected[:3]], "skip_special_tokens": False})
+    assert status == 200 and decoded[0].startswith("[CLS]") and len(decoded) == 2

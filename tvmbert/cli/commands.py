@@ -366,15 +366,26 @@ def run_config(config_path, model, target, workdir, log_dir, force, as_json):
 @click.option("--replica-cpus", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="With --ray: Ray CPUs each replica takes, and as many TVM threads.")
 @click.option("--ray-address", help="With --ray: a running cluster's address (default: RAY_ADDRESS, else a local one).")
+@click.option("--max-body-bytes", type=click.IntRange(1), default=2 * 2**20, show_default=True,
+              help="A request's body; beyond, 413 before it is parsed.")
+@click.option("--api-key", envvar="TVMBERT_API_KEY", show_envvar=True,
+              help="Every route but /health wants 'Authorization: Bearer KEY' (401 otherwise). Prefer the variable or "
+                   "--api-key-file: a command line is visible to the machine's other users.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="The key, read from this file (its first line).")
 def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_requests, max_inputs_per_request, pooling,
-          served_model_name, on_ray, replicas, replica_cpus, ray_address):
-    """Serve an exported package over HTTP: OpenAI's /v1/embeddings, TEI's /embed and /predict,
-    /classify_tokens, /answer, /health, /info, /metrics, /docs (docs/serving.md). SIGTERM answers
-    what is in flight, then exits 0."""
+          served_model_name, on_ray, replicas, replica_cpus, ray_address, max_body_bytes, api_key, api_key_file):
+    """Serve an exported package over HTTP: OpenAI's /v1/embeddings, TEI's /embed, /predict and
+    /rerank, /classify_tokens, /answer, /health, /info, /metrics, /docs (docs/serving.md). SIGTERM
+    answers what is in flight, then exits 0."""
+    from tvmbert.serve.run import exposure_warning
     from tvmbert.serve.service import Limits
 
+    api_key = _api_key(api_key, api_key_file)
     limits = Limits(max_batch_tokens=max_batch_tokens, max_wait_ms=max_wait_ms, max_concurrent_requests=max_concurrent_requests,
-                    max_inputs_per_request=max_inputs_per_request)
+                    max_inputs_per_request=max_inputs_per_request, max_body_bytes=max_body_bytes)
+    warning = exposure_warning(host, api_key)
+    if warning:
+        err.print(warning, markup=False)
     if on_ray:
         try:
             from tvmbert.serve.replicas import serve_on_ray
@@ -382,12 +393,33 @@ def serve(package, host, port, max_batch_tokens, max_wait_ms, max_concurrent_req
             raise InputError(f"--ray needs Ray Serve ({exc}): pip install 'tvmbert[ray]'") from None
         serve_on_ray(package, host, port, limits, pooling, served_model_name, replicas, replica_cpus, ray_address,
                      ready=lambda bound_host, bound_port: err.print(
-                         f"serve: {package} on http://{bound_host}:{bound_port} ({replicas} Ray Serve replicas)", markup=False))
+                         f"serve: {package} on http://{bound_host}:{bound_port} ({replicas} Ray Serve replicas)", markup=False),
+                     api_key=api_key)
         return
     from tvmbert.serve.run import serve as run
 
     run(package, host, port, limits, pooling, served_model_name,
-        ready=lambda bound_host, bound_port: err.print(f"serve: {package} on http://{bound_host}:{bound_port}", markup=False))
+        ready=lambda bound_host, bound_port: err.print(f"serve: {package} on http://{bound_host}:{bound_port}"
+                                                      + (" (API key required)" if api_key else ""), markup=False),
+        api_key=api_key)
+
+
+def _api_key(given: str | None, file: str | None) -> str | None:
+    """The server's key, from --api-key (or TVMBERT_API_KEY) or a file; never printed."""
+    if given is not None and file is not None:
+        raise InputError("--api-key (or TVMBERT_API_KEY) and --api-key-file are one or the other")
+    if file is not None:
+        try:
+            lines = Path(file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--api-key-file {file}: cannot be read ({exc.__class__.__name__})") from None
+        given = lines[0] if lines else ""
+    if given is None:
+        return None
+    key = given.strip()
+    if not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise InputError("the API key must be printable, without spaces, and not empty")
+    return key
 
 
 @click.command()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 
@@ -36,8 +37,33 @@ async def _client_gone(receive) -> None:
         pass
 
 
-def make_app(service: Service, started=None):
-    """``started()`` is called once the batcher runs, before the first request is taken."""
+def _keyed(app, api_key: str, metrics, routes: set[str]):
+    """``app`` answering only requests that carry ``Authorization: Bearer <api_key>`` (the key
+    compared in constant time), but ``/health`` (a load balancer's probe has no key); any other is
+    a 401 with a JSON body, counted under its route (a path no route serves: "other", so that a
+    scan of paths cannot grow the metrics without bound)."""
+    expected = api_key.encode()
+    unauthorized = {"message": "a missing or wrong API key: send 'Authorization: Bearer <key>'", "kind": "unauthorized"}
+
+    async def keyed(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await app(scope, receive, send)
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected):
+            return await app(scope, receive, send)
+        route = scope["path"] if scope["path"] in routes else "other"
+        metrics.count(route, 401)
+        response = error_response(401, unauthorized["message"], unauthorized["kind"], route)
+        response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    return keyed
+
+
+def make_app(service: Service, started=None, api_key: str | None = None):
+    """``started()`` is called once the batcher runs, before the first request is taken;
+    ``api_key``: the key every route but /health wants (``_keyed``)."""
     from starlette.applications import Starlette
     from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
@@ -103,6 +129,8 @@ def make_app(service: Service, started=None):
     routes = [
         Route("/v1/embeddings", admitted("/v1/embeddings", service.openai_embeddings), methods=["POST"]),
         Route("/embed", admitted("/embed", service.embed), methods=["POST"]),
+        Route("/tokenize", admitted("/tokenize", service.tokenize), methods=["POST"]),
+        Route("/decode", admitted("/decode", service.decode), methods=["POST"]),
         Route("/predict", admitted("/predict", service.predict), methods=["POST"]),
         Route("/rerank", admitted("/rerank", service.rerank), methods=["POST"]),
         Route("/classify_tokens", admitted("/classify_tokens", service.classify_tokens), methods=["POST"]),
@@ -113,4 +141,5 @@ def make_app(service: Service, started=None):
         Route("/openapi.json", lambda request: JSONResponse(openapi.document())),
         Route("/docs", lambda request: HTMLResponse(openapi.page(service.served_name))),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: refused, 405: refused})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: refused, 405: refused})
+    return _keyed(app, api_key, service.metrics, {route.path for route in routes}) if api_key else app

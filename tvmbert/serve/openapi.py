@@ -19,6 +19,13 @@ SEQUENCE = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxIte
 SEQUENCES = {"oneOf": [{"type": "string"}, SEQUENCE, {"type": "array", "items": SEQUENCE, "minItems": 1}]}
 TRUNCATION = {"truncate": {"type": "boolean", "default": False, "nullable": True},
               "truncation_direction": {"enum": ["right", "left", "Right", "Left"], "default": "right"}}
+DIMENSIONS = {"dimensions": {"type": "integer", "minimum": 1, "nullable": True,
+                             "description": "the first N dimensions (a Matryoshka model's), normalized after the cut"}}
+PROMPT = {"prompt_name": {"type": "string", "nullable": True,
+                          "description": "a key of the model's config_sentence_transformers.json prompts (GET /info lists them)"}}
+TOKEN = {"type": "object", "properties": {"id": {"type": "integer"}, "text": {"type": "string"}, "special": {"type": "boolean"},
+                                          "start": {"type": "integer", "nullable": True}, "stop": {"type": "integer", "nullable": True}}}
+IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 LABELS = {"type": "array", "items": {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}}}}
 
 # (method, path, summary, request body schema or None, answer schema)
@@ -26,7 +33,8 @@ ROUTES = (
     ("post", "/v1/embeddings", "OpenAI's embeddings: unit-length vectors where the model's config normalizes; base64 is "
      "little-endian float32",
      {"type": "object", "required": ["input"], "properties": {
-         "input": TEXTS, "model": {"type": "string"}, "encoding_format": {"enum": ["float", "base64"], "default": "float"}}},
+         "input": TEXTS, "model": {"type": "string"}, "encoding_format": {"enum": ["float", "base64"], "default": "float"},
+         **DIMENSIONS}},
      {"type": "object", "properties": {
          "object": {"enum": ["list"]}, "model": {"type": "string"},
          "data": {"type": "array", "items": {"type": "object", "properties": {
@@ -35,8 +43,18 @@ ROUTES = (
          "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}}),
     ("post", "/embed", "TEI's embed: one vector per input; truncate cuts a text to the package's longest input",
      {"type": "object", "required": ["inputs"], "properties": {
-         "inputs": TEXTS, "normalize": {"type": "boolean", "default": True}, **TRUNCATION}},
+         "inputs": TEXTS, "normalize": {"type": "boolean", "default": True}, **TRUNCATION, **PROMPT, **DIMENSIONS}},
      VECTORS),
+    ("post", "/tokenize", "TEI's tokenize: per input, its tokens; a special token's offsets null, another's byte offsets into "
+     "the input (with the prompt)",
+     {"type": "object", "required": ["inputs"], "properties": {
+         "inputs": TEXTS, "add_special_tokens": {"type": "boolean", "default": True}, **PROMPT}},
+     {"type": "array", "items": {"type": "array", "items": TOKEN}}),
+    ("post", "/decode", "TEI's decode: token ids back to text, one string per list of ids",
+     {"type": "object", "required": ["ids"], "properties": {
+         "ids": {"oneOf": [IDS, {"type": "array", "items": IDS, "minItems": 1}]},
+         "skip_special_tokens": {"type": "boolean", "default": True}}},
+     {"type": "array", "items": {"type": "string"}}),
     ("post", "/predict", "TEI's predict, for a sequence classifier: per input (a text or a pair), every label with its "
      "score, most likely first: a softmax over the labels, a lone label's sigmoid, or the logits with raw_scores; one "
      "input's list, or a batch's list of them",
@@ -78,11 +96,18 @@ REFUSALS = {"400": "a body that is not UTF-8 JSON of an object, or a route this 
             "422": "a field of the wrong type or value", "429": "more requests in flight than --max-concurrent-requests"}
 
 
-def _operation(summary: str, body: dict | None, answer: dict) -> dict:
+UNAUTHORIZED = "a missing or wrong API key, where the server has one (--api-key): every route but /health wants it"
+
+
+def _operation(path: str, summary: str, body: dict | None, answer: dict) -> dict:
     responses = {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}}}
     if body is not None:
         responses |= {code: {"description": why, "content": {"application/json": {"schema": ERROR}}} for code, why in REFUSALS.items()}
+    if path != "/health":
+        responses["401"] = {"description": UNAUTHORIZED, "content": {"application/json": {"schema": ERROR}}}
     operation = {"summary": summary, "responses": responses}
+    if path == "/health":
+        operation["security"] = []  # no key, whatever the server's
     if body is not None:
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     return operation
@@ -91,8 +116,10 @@ def _operation(summary: str, body: dict | None, answer: dict) -> dict:
 def document() -> dict:
     paths: dict = {}
     for method, path, summary, body, answer in ROUTES:
-        paths.setdefault(path, {})[method] = _operation(summary, body, answer)
-    return {"openapi": "3.0.3", "info": {"title": "tvmbert serve", "version": "1"}, "paths": paths}
+        paths.setdefault(path, {})[method] = _operation(path, summary, body, answer)
+    return {"openapi": "3.0.3", "info": {"title": "tvmbert serve", "version": "1"}, "paths": paths,
+            "components": {"securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer", "description": UNAUTHORIZED}}},
+            "security": [{}, {"apiKey": []}]}  # a key where the server has one
 
 
 def page(model: str) -> str:

@@ -51,22 +51,24 @@ def _named(app, name: str):
 class Replica:
     """One replica: the package loaded in its process (torch kept out), the app over it."""
 
-    def __init__(self, package: str, limits: Limits, pooling: str | None, served_name: str | None):
+    def __init__(self, package: str, limits: Limits, pooling: str | None, served_name: str | None, api_key: str | None = None):
         from tvmbert.serve.run import keep_torch_out
 
         keep_torch_out()
         from tvmbert.deploy.package import load
 
         self.service = Service(load(package), limits, pooling, served_name)
+        self.api_key = api_key
 
     def __serve_build_asgi_app__(self):
         from tvmbert.serve.app import make_app
 
         replica = serve.get_replica_context().replica_id.unique_id
-        return _named(make_app(self.service), f"{replica}; pid={os.getpid()}")
+        return _named(make_app(self.service, api_key=self.api_key), f"{replica}; pid={os.getpid()}")
 
 
-def deployment(package: str, limits: Limits, pooling: str | None, served_name: str | None, replicas: int, cpus: float):
+def deployment(package: str, limits: Limits, pooling: str | None, served_name: str | None, replicas: int, cpus: float,
+               api_key: str | None = None):
     """The deployment bound to its arguments: ``replicas`` copies, each given ``cpus`` of Ray's
     CPUs and as many TVM threads (whole ones, at least one), at most the limit's requests each
     and as many waiting at Ray's proxy (beyond, it answers 503; its default queue has no end)."""
@@ -75,11 +77,11 @@ def deployment(package: str, limits: Limits, pooling: str | None, served_name: s
                             max_ongoing_requests=limits.max_concurrent_requests,
                             max_queued_requests=limits.max_concurrent_requests, graceful_shutdown_timeout_s=SHUTDOWN_S,
                             ray_actor_options={"num_cpus": cpus, "runtime_env": {"env_vars": {"TVM_NUM_THREADS": threads}}},
-                            ).bind(os.path.abspath(package), limits, pooling, served_name)
+                            ).bind(os.path.abspath(package), limits, pooling, served_name, api_key)
 
 
 def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: str | None, served_name: str | None,
-                 replicas: int, cpus: float, address: str | None = None, ready=None) -> None:
+                 replicas: int, cpus: float, address: str | None = None, ready=None, api_key: str | None = None) -> None:
     """Serves until SIGINT or SIGTERM, then deletes the application (its replicas answer what
     they hold first) and leaves the cluster (a local one stops, with its Serve), within STOP_S."""
     import ray
@@ -114,7 +116,7 @@ def serve_on_ray(package: str, host: str, port: int, limits: Limits, pooling: st
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
-            serve.run(deployment(package, limits, pooling, served_name, replicas, cpus), name=APP_NAME, route_prefix="/",
+            serve.run(deployment(package, limits, pooling, served_name, replicas, cpus, api_key), name=APP_NAME, route_prefix="/",
                       blocking=False)
         except RuntimeError as exc:  # a replica that failed to start: the package's error, said by Ray
             raise InputError(f"the replicas did not start: {str(exc).strip().splitlines()[-1]}") from None

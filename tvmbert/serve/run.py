@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import ipaddress
 import signal
 import socket
 import sys
@@ -46,10 +47,25 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to say when a server without a key listens beyond this machine (every interface, or
+    an address others reach): anyone who reaches the port can use it."""
+    if api_key:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if loopback:
+        return None
+    return (f"serve: warning: listening on {host} without --api-key: anyone who reaches this port can use the model "
+            "(set --api-key, TVMBERT_API_KEY or --api-key-file)")
+
+
 def serve(package: str, host: str = "127.0.0.1", port: int = 8080, limits: Limits | None = None, pooling: str | None = None,
-          served_name: str | None = None, ready=None) -> None:
+          served_name: str | None = None, ready=None, api_key: str | None = None) -> None:
     """Serves ``package`` until SIGINT or SIGTERM. ``ready(host, port)`` is called once the
-    socket listens and the batcher runs."""
+    socket listens and the batcher runs; ``api_key``: what every route but /health wants."""
     import uvicorn
 
     keep_torch_out()
@@ -58,7 +74,7 @@ def serve(package: str, host: str = "127.0.0.1", port: int = 8080, limits: Limit
 
     service = Service(load(package), limits or Limits(), pooling, served_name)
     sock = listen(host, port)
-    app = make_app(service, started=None if ready is None else lambda: ready(host, sock.getsockname()[1]))
+    app = make_app(service, started=None if ready is None else lambda: ready(host, sock.getsockname()[1]), api_key=api_key)
     runner = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=DRAIN_S))
     # uvicorn raises the signal it stopped on again once it has drained: this handler then lets
     # this return, so the command exits 0 instead of being killed by it; before uvicorn takes the

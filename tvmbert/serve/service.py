@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from tvmbert.core.errors import InputError
-from tvmbert.deploy.sentences import MODES, normalized, pool
+from tvmbert.deploy import sentences
+from tvmbert.deploy.sentences import MODES
 from tvmbert.serve import heads, requests
 from tvmbert.serve.batcher import Batcher
 from tvmbert.serve.metrics import Metrics
@@ -44,6 +45,7 @@ class Service:
         if self.pooling not in MODES:
             raise InputError(f"--pooling must be one of {', '.join(MODES)}, got '{self.pooling}'")
         self.normalize_default = packaged.get("normalize", True)
+        self.prompts = (model.manifest.get("prompts") or {}).get("prompts", {})  # config_sentence_transformers.json's
         self.labels = model.manifest.get("labels")
         self.served_name = served_name or model.path.resolve().name
         self.task = model.task
@@ -71,13 +73,36 @@ class Service:
         encodings = await self._tokenized(texts, truncation)
         return await self.batcher.submit(encodings), sum(len(e.ids) for e in encodings)
 
-    async def vectors(self, payload: dict, field: str, normalize: bool, truncation: tuple[bool, str]) -> tuple[list[np.ndarray], int]:
-        """One pooled vector per text of ``payload[field]``, and their token count."""
+    async def vectors(self, payload: dict, field: str, normalize: bool, truncation: tuple[bool, str]) -> tuple[np.ndarray, int]:
+        """One pooled vector per text of ``payload[field]`` (after the request's ``prompt_name``'s
+        prompt), cut to its ``dimensions`` (a Matryoshka model's smaller sizes) before
+        ``normalize``, as TEI and sentence-transformers cut; and their token count."""
         self._needs("feature-extraction", "gives no last_hidden_state, so no embeddings: export the encoder")
         texts = requests.texts(payload, field, self.limits.max_inputs_per_request)
-        outputs, tokens = await self.outputs(texts, truncation)
-        vectors = [pool(hidden, self.pooling) for hidden in outputs["last_hidden_state"]]
-        return [normalized(v) for v in vectors] if normalize else vectors, tokens
+        prompt = self._prompt(payload)
+        dimensions = payload.get("dimensions")
+        if dimensions is not None:
+            dimensions = requests.integer(payload, "dimensions", None, 1, self.hidden_size)
+        outputs, tokens = await self.outputs([prompt + text for text in texts], truncation)
+        return sentences.sentence_vectors(outputs["last_hidden_state"], self.pooling, normalize, dimensions), tokens
+
+    @property
+    def hidden_size(self) -> int:
+        """The vectors' size: the word embedding table's width (vocabulary x hidden)."""
+        vocab = self.model.manifest["model"]["vocab_size"]
+        return next(spec["shape"][1] for spec in self.model.manifest["weights"].values()
+                    if len(spec["shape"]) == 2 and spec["shape"][0] == vocab)
+
+    def _prompt(self, payload: dict) -> str:
+        """TEI's ``prompt_name``: a key of the model's config_sentence_transformers.json prompts,
+        whose text goes before every input; none by default."""
+        name = requests.optional_string(payload, "prompt_name")
+        if name is None:
+            return ""
+        if name not in self.prompts:
+            known = ", ".join(sorted(self.prompts)) or "none"
+            raise RequestError(422, f"'prompt_name' {name!r} is not one of this model's prompts ({known})")
+        return self.prompts[name]
 
     # ---- the routes' bodies in, their answers out ---------------------------------------------
 
@@ -86,8 +111,6 @@ class Service:
         little-endian bytes (what the OpenAI client asks for by default)."""
         encoding = requests.choice(payload, "encoding_format", ("float", "base64"))
         model = requests.optional_string(payload, "model")
-        if payload.get("dimensions") is not None:
-            raise RequestError(422, "'dimensions' is not taken: this model's vectors have one size")
         vectors, tokens = await self.vectors(payload, "input", self.normalize_default, (False, "right"))
         data = [{"object": "embedding", "index": i,
                  "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if encoding == "base64" else v.tolist()}
@@ -100,6 +123,36 @@ class Service:
         normalize = requests.flag(payload, "normalize", True)
         vectors, _ = await self.vectors(payload, "inputs", normalize, requests.truncation(payload))
         return [v.tolist() for v in vectors]
+
+    async def tokenize(self, payload: dict) -> list:
+        """TEI's ``POST /tokenize``: per input, its tokens as the model's tokenizer cuts them
+        (``add_special_tokens``, default true; ``prompt_name``'s prompt first), each
+        ``{"id", "text", "special", "start", "stop"}``: a special token's text is the token and its
+        offsets null; another's are byte offsets into the input, as TEI gives them (equal to
+        character offsets in ASCII), its text those bytes."""
+        texts = requests.texts(payload, "inputs", self.limits.max_inputs_per_request)
+        special = requests.flag(payload, "add_special_tokens", True)
+        prompt = self._prompt(payload)
+        tokenizer = self.model.tokenizer()
+        encodings = await asyncio.to_thread(tokenizer.encode_batch, [prompt + text for text in texts], add_special_tokens=special)
+        return [_tokens(prompt + text, encoding) for text, encoding in zip(texts, encodings)]
+
+    async def decode(self, payload: dict) -> list[str]:
+        """TEI's ``POST /decode``: token ids (a list, or a list of lists) back to text, special
+        tokens left out unless ``skip_special_tokens`` is false."""
+        ids = payload.get("ids")
+        batch = ids if isinstance(ids, list) and ids and all(isinstance(row, list) for row in ids) else [ids]
+        vocab = self.model.tokenizer().get_vocab_size()
+        for index, row in enumerate(batch):
+            if not isinstance(row, list) or not row or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                                                                for i in row):
+                raise RequestError(422, f"'ids'{'' if len(batch) == 1 else f'[{index}]'} must be a non-empty list of token ids "
+                                   f"from 0 to {vocab - 1} (or a list of such lists)")
+        if len(batch) > self.limits.max_inputs_per_request:
+            raise requests.too_large(f"'ids' holds {len(batch)} inputs; this server takes at most "
+                                     f"{self.limits.max_inputs_per_request} a request")
+        skip = requests.flag(payload, "skip_special_tokens", True)
+        return await asyncio.to_thread(self.model.tokenizer().decode_batch, batch, skip_special_tokens=skip)
 
     async def predict(self, payload: dict) -> list:
         """TEI's ``POST /predict`` for a sequence classifier: per input (a text, or a pair such as
@@ -198,4 +251,20 @@ class Service:
                 "target": model.variant["target_key"], "task": self.task, "outputs": list(model.output_names),
                 "buckets": [{"batch": b.batch, "seq_len": b.seq_len, **({"tokens": b.tokens} if b.tokens else {})} for b in model.buckets],
                 "max_input_tokens": model.max_seq_len, "pooling": self.pooling, "normalize": self.normalize_default,
+                "prompts": self.prompts,
                 "labels": self.labels, "limits": asdict(self.limits)}
+
+
+def _tokens(text: str, encoding) -> list[dict]:
+    """An encoding's tokens as TEI's /tokenize gives them (``tokenization.rs``' into_tokens)."""
+    data = text.encode("utf-8")
+    byte_at = np.cumsum([0, *(len(c.encode("utf-8")) for c in text)])  # a character offset's byte offset
+    found = []
+    for token_id, token, special, (start, end) in zip(encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets):
+        if special:
+            found.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
+        else:
+            first, last = int(byte_at[start]), int(byte_at[end])
+            found.append({"id": token_id, "text": data[first:last].decode("utf-8", "replace"), "special": False, "start": first,
+                          "stop": last})
+    return found
