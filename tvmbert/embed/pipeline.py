@@ -48,7 +48,8 @@ class Tokenized:
     encodings: list  # one per good record, in order
     bad: list[dict] = field(default_factory=list)
     truncated: int = 0
-    reached: int = 0  # how far into the corpus's size reading got
+    reached: int = 0  # how far into the corpus's size reading got at the shard's end
+    begun: int = 0  # and at its start
 
 
 class Embedder:
@@ -251,19 +252,25 @@ def embed_corpus(package, source, output, options: Options = Options(), progress
             except queue.Full:
                 continue
 
+    def tokenized(shard: int, records: list, begun: int, ended: int) -> Tokenized:
+        found = embedder.check_ids(embedder.tokenize(shard, records, ended))
+        found.begun = begun
+        return found
+
     def read() -> None:
         try:
-            shard, records, reached = 0, [], 0
+            shard, records, begun, ended = 0, [], 0, 0
             for record, reached in corpus.records():
                 current = record.index // options.shard_rows
                 if current != shard:
                     if shard not in done:
-                        put(embedder.check_ids(embedder.tokenize(shard, records, reached)))
-                    shard, records = current, []
+                        put(tokenized(shard, records, begun, ended))
+                    shard, records, begun = current, [], ended
                 if current not in done:
                     records.append(record)
+                ended = reached
             if shard not in done:  # the last shard; an empty corpus's one empty shard
-                put(embedder.check_ids(embedder.tokenize(shard, records, size)))
+                put(tokenized(shard, records, begun, size))
             put(SENTINEL)
         except BaseException as exc:  # the main thread raises it
             put(exc)
@@ -285,7 +292,7 @@ def embed_corpus(package, source, output, options: Options = Options(), progress
             out.write(item.shard, table, bad, counts)
             shards = max(shards, item.shard + 1)
             if not tally.shards:
-                tally.start = min(tally.fraction, item.reached / size)
+                tally.start = item.begun / size
             tally.rows += counts["rows_out"]
             tally.tokens += counts["tokens"]
             tally.bad += counts["bad"]
