@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tvmbert.core.errors import InputError
 from tvmbert.embed.corpus import Corpus, Fields
 
 from helpers import REPO, SENTENCE_SEQ_LEN
@@ -42,11 +43,13 @@ def write(path: Path, rows: list[str]) -> Path:
     ids = [f"doc{i}" for i in range(len(rows))]
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps({"id": key, "text": text}) + "\n" for key, text in zip(ids, rows)))
-    elif path.suffix in (".csv", ".tsv"):
+    elif path.suffix == ".csv":
         with open(path, "w", newline="") as handle:
-            writer = csv.writer(handle, delimiter="\t" if path.suffix == ".tsv" else ",")
+            writer = csv.writer(handle)
             writer.writerow(["id", "text"])
             writer.writerows(zip(ids, rows))
+    elif path.suffix == ".tsv":  # no quoting: a text holds no tab or line end
+        path.write_text("id\ttext\n" + "".join(f"{key}\t{text}\n" for key, text in zip(ids, rows)))
     elif path.suffix == ".parquet":
         pq.write_table(pa.table({"id": ids, "text": rows}), path, row_group_size=7)
     else:
@@ -73,7 +76,7 @@ def st_model(sentence_encoder_folder):
 def test_every_input_format_gives_the_vectors_sentence_transformers_encodes(tvmbert, sentence_package, st_model, tmp_path, suffix):
     rows = texts(45)
     rows[3] = 'a "quoted" text, with a comma\nand a second line'  # one CSV record over two lines
-    if suffix == ".txt":
+    if suffix in (".txt", ".tsv"):
         rows[3] = rows[3].replace("\n", " ")
     corpus = write(tmp_path / f"corpus{suffix}", rows)
     ids = () if suffix == ".txt" else ("--id-field", "id")
@@ -263,9 +266,9 @@ def test_memory_stays_bounded_on_a_corpus_larger_than_the_bound(sentence_package
 def test_positions_read_the_same_records_as_one_pass(tmp_path):
     """Where each shard starts, found in one pass, reads what the sequential pass reads: a Ray
     actor's shard is the local job's."""
-    rows = texts(23, seed=5)
-    rows[4] = 'multi\nline "quoted", text'
     for suffix in (".jsonl", ".csv", ".tsv", ".parquet"):
+        rows = texts(23, seed=5)
+        rows[4] = 'multi\nline "quoted", text' if suffix != ".tsv" else 'one line "quoted", text'
         (tmp_path / suffix[1:]).mkdir()
         write(tmp_path / suffix[1:] / f"a{suffix}", rows[:10])
         write(tmp_path / suffix[1:] / f"b{suffix}", rows[10:])
@@ -276,8 +279,8 @@ def test_positions_read_the_same_records_as_one_pass(tmp_path):
         assert [p.index for p in starts] == list(range(0, 23, 4))
         for start in starts:
             assert [record for record, _ in corpus.records(start, 4)] == whole[start.index : start.index + 4], suffix
-        if suffix != ".parquet":
-            assert [r.line for r in whole][:6] == [2, 3, 4, 5, 6, 8] if suffix != ".jsonl" else list(range(1, 11))
+        lines = {".jsonl": list(range(1, 7)), ".csv": [2, 3, 4, 5, 6, 8], ".tsv": list(range(2, 8)), ".parquet": list(range(1, 7))}
+        assert [r.line for r in whole][:6] == lines[suffix], suffix
 
 
 @pytest.mark.slow
@@ -298,3 +301,42 @@ def test_ray_data_with_two_actors_writes_what_one_process_writes(tvmbert, senten
     assert summary["ray"] == {"actors": 2, "actor_cpus": 1.0, "address": "local"} and summary["shards"] == 9
     assert pq.read_table(on_ray).equals(pq.read_table(local))
     assert pq.read_table(on_ray).schema.metadata == pq.read_table(local).schema.metadata
+
+
+def test_readers_neither_alter_nor_merge_nor_crash_on_what_files_hold(tmp_path):
+    """A TSV's quotes are its text's; a CSV quote left open is an error, not the rest of the file
+    as one text; a byte order mark is not text; JSON past Python's limits, ids past 64 bits or
+    not Unicode are bad rows; a blank CSV line is no record."""
+    tsv = tmp_path / "a.tsv"
+    tsv.write_bytes(b'text\n"Hi" she said\n"unclosed\nnext\n')
+    assert [r.text for r, _ in Corpus(tsv, Fields()).records()] == ['"Hi" she said', '"unclosed', "next"]
+    bom = tmp_path / "b.csv"
+    bom.write_bytes(b"\xef\xbb\xbftext,id\nhello,1\n\nworld,2\n")
+    assert [(r.line, r.text, r.id) for r, _ in Corpus(bom, Fields("text", "id")).records()] == [(2, "hello", "1"), (4, "world", "2")]
+    (tmp_path / "open.csv").write_bytes(b'text\n"open quote\nmore\n')
+    with pytest.raises(InputError, match="open.csv:2: not CSV"):
+        list(Corpus(tmp_path / "open.csv", Fields()).records())
+    lines = tmp_path / "c.jsonl"
+    lines.write_bytes(b'\xef\xbb\xbf{"text": "a", "id": 1}\n' + b"[" * 100000 + b'\n{"text": "b", "id": 18446744073709551616}\n'
+                      b'{"text": "c", "id": "\\ud800"}\n')
+    found = [(r.line, r.text, r.problem) for r, _ in Corpus(lines, Fields("text", "id")).records()]
+    assert found[0] == (1, "a", None) and "RecursionError" in found[1][2]
+    assert "past 64 bits" in found[2][2] and "lone surrogate" in found[3][2]
+    text = tmp_path / "d.txt"
+    text.write_bytes(b"\xef\xbb\xbffirst\nsecond")
+    assert [r.text for r, _ in Corpus(text, Fields()).records()] == ["first", "second"]
+
+
+def test_overwrite_removes_only_a_jobs_output_and_an_output_may_not_overlap_the_corpus(tmp_path):
+    from tvmbert.embed.shards import Output
+
+    corpus = write(tmp_path / "corpus.jsonl", texts(3))
+    (tmp_path / "thesis").mkdir()
+    (tmp_path / "thesis" / "thesis.tex").write_text("years of work")
+    with pytest.raises(InputError, match="a folder of other files"):
+        Output(tmp_path / "thesis", True, corpus)
+    assert (tmp_path / "thesis" / "thesis.tex").is_file()
+    for output in (corpus, tmp_path):
+        with pytest.raises(InputError, match="overlap"):
+            Output(output, True, corpus)
+    assert corpus.is_file()

@@ -751,6 +751,9 @@ def test_a_server_beyond_loopback_without_a_key_is_warned_about_and_bad_keys_are
                           (("--api-key-file", str(tmp_path / "missing")), "cannot be read")):
         result = tvmbert("serve", str(package), *options, workdir_arg=False)
         assert result.code == 2 and said in result.stderr and "two words" not in result.stderr, result.stderr
+    monkeypatch.setenv("TVMBERT_API_KEY", "")
+    result = tvmbert("serve", str(package), workdir_arg=False)
+    assert result.code == 2 and "TVMBERT_API_KEY is set but empty" in result.stderr
     monkeypatch.setenv("TVMBERT_API_KEY", KEY)
     (tmp_path / "key").write_text("other")
     result = tvmbert("serve", str(package), "--api-key-file", str(tmp_path / "key"), workdir_arg=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import signal
 import warnings
 from pathlib import Path
@@ -414,6 +415,8 @@ def _api_key(given: str | None, file: str | None) -> str | None:
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"--api-key-file {file}: cannot be read ({exc.__class__.__name__})") from None
         given = lines[0] if lines else ""
+    if given is None and os.environ.get("TVMBERT_API_KEY") == "":  # click reads an empty variable as unset
+        raise InputError("TVMBERT_API_KEY is set but empty: set the key, or unset the variable to serve without one")
     if given is None:
         return None
     key = given.strip()
@@ -452,6 +455,7 @@ def _api_key(given: str | None, file: str | None) -> str | None:
 @click.option("--actor-cpus", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="With --ray: Ray CPUs each actor takes, and as many TVM threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
+@_quiet_warnings
 def embed(package, source, output, text_field, id_field, precision, dimensions, prompt, prompt_name, pooling, normalize, shard_rows,
           max_batch_tokens, no_truncate, skip_bad, overwrite, ray_address, actors, actor_cpus, as_json):
     """Embed a corpus (JSONL, CSV/TSV, Parquet, text lines, or a folder of them) into Parquet with

@@ -25,10 +25,11 @@ def pool(tokens: np.ndarray, mode: str) -> np.ndarray:
     return (summed / (np.sqrt(len(tokens)) if mode == "mean_sqrt_len_tokens" else len(tokens))).astype(np.float32)
 
 
-def normalized(vector: np.ndarray) -> np.ndarray:
-    """Unit length (sentence-transformers' Normalize: a zero vector stays zero)."""
-    norm = float(np.linalg.norm(vector))
-    return vector / max(norm, 1e-12)
+def vector_size(model) -> int:
+    """The width of an exported encoder's token vectors, read off one run of a short text (the
+    word embedding table's width is not it where embeddings are factorized, as ALBERT's and
+    ELECTRA's are)."""
+    return int(model.run_encodings(model.tokenize(["a"]))["last_hidden_state"][0].shape[-1])
 
 
 def check_dimensions(dimensions: int | None, size: int) -> None:

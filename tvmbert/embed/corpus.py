@@ -17,7 +17,9 @@ from tvmbert.core.errors import InputError
 # The suffix says the format; a folder's files of other suffixes are not read (and are listed in
 # the error when it has none of these).
 SUFFIXES = (".jsonl", ".ndjson", ".csv", ".tsv", ".parquet", ".txt")
-ID_TYPES = ("int64", "string")
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark, as Excel and Notepad start a file: not part of its first line
+INT64 = (-(2**63), 2**63 - 1)  # the ids a Parquet int64 column holds
+CSV_FIELD_BYTES = 2**30  # the csv module's default, 128 KiB, refuses a long document in one field
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,6 @@ class Record:
     id: int | str | None = None
     problem: str | None = None
 
-    def where(self) -> str:
-        return f"{self.file}:{self.line}" if not self.file.endswith(".parquet") else f"{self.file} row {self.line}"
-
 
 @dataclass(frozen=True)
 class Position:
@@ -54,10 +53,12 @@ class Position:
 
 class Corpus:
     """The files of ``source`` (a file, or a folder's files of the known suffixes in name order),
-    read for ``fields``."""
+    read for ``fields``; a bad row names its file from ``shown`` (the path as the user gave it:
+    a Ray actor reads the absolute one)."""
 
-    def __init__(self, source: str | Path, fields: Fields):
+    def __init__(self, source: str | Path, fields: Fields, shown: str | Path | None = None):
         self.source = Path(source)
+        self.shown = Path(shown) if shown is not None else self.source
         self.fields = fields
         if self.source.is_dir():
             self.files = sorted(p for p in self.source.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
@@ -73,7 +74,7 @@ class Corpus:
         self.readers = [READERS[path.suffix.lower()](path, self._name(path), fields) for path in self.files]
 
     def _name(self, path: Path) -> str:
-        return str(path if path == self.source else self.source / path.relative_to(self.source))
+        return str(self.shown if path == self.source else self.shown / path.relative_to(self.source))
 
     def fingerprint(self) -> dict:
         """What identifies these files' contents without reading them: names, sizes, times."""
@@ -149,6 +150,13 @@ def _id_problem(value, field: str) -> str | None:
         return f"no id ('{field}')"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         return f"the id '{field}' is {_what(value)}, not a string or an integer"
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        return f"the id '{field}' is an integer past 64 bits"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"the id '{field}' is not Unicode text (a lone surrogate at character {exc.start})"
     return None
 
 
@@ -172,8 +180,9 @@ class _Lines:
         with open(self.path, "rb") as handle:
             handle.seek(offset)
             for raw in handle:
-                offset += len(raw)
-                yield raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw, offset
+                start, offset = offset, offset + len(raw)
+                line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
+                yield line[len(BOM):] if start == 0 and line.startswith(BOM) else line, offset
 
     def starts(self) -> Iterator[tuple[int, int]]:
         """(offset, line) of each record."""
@@ -210,6 +219,8 @@ class JsonLines(_Lines):
             value = json.loads(text)
         except json.JSONDecodeError as exc:
             return None, f"not JSON ({exc.msg} at column {exc.colno})"
+        except (ValueError, RecursionError) as exc:  # a number past Python's digit limit; nesting past its stack
+            return None, f"not JSON this reader takes ({type(exc).__name__}: {str(exc)[:80]})"
         if not isinstance(value, dict):
             return None, f"{_what(value)}, not a JSON object"
         return value, None
@@ -241,19 +252,22 @@ class JsonLines(_Lines):
 
 
 class Delimited(_Lines):
-    """.csv and .tsv: a header row naming the columns, then one record a row (a quoted field may
-    span lines, as the csv module reads it)."""
+    """.csv: a header row naming the columns, then one record a row, a quoted field spanning
+    lines where it holds them (strictly: a quote left open is an error, never the rest of the
+    file read as one text). .tsv: the same with tabs, and no quoting (tab-separated corpora
+    such as MS MARCO's quote nothing: a text's quotes are its own). A blank line is no record."""
 
     def __init__(self, path: Path, name: str, fields: Fields):
         super().__init__(path, name, fields)
-        self.delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
+        tabs = path.suffix.lower() == ".tsv"
+        self.dialect = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if tabs else {"delimiter": ",", "strict": True}
         with open(path, "rb") as handle:
             first = handle.readline()
         self.header_end = len(first)
-        header, problem = _decoded(first.rstrip(b"\r\n"))
+        header, problem = _decoded(first.rstrip(b"\r\n").removeprefix(BOM))
         if problem:
             raise InputError(f"{name}:1: the header row is {problem}")
-        self.columns = next(csv.reader([header], delimiter=self.delimiter), [])
+        self.columns = next(csv.reader([header], **self.dialect), [])
         for field in filter(None, (fields.text, fields.id)):
             if field not in self.columns:
                 raise InputError(f"{name}: no column '{field}' (its header has {', '.join(map(repr, self.columns)) or 'none'}); "
@@ -275,7 +289,8 @@ class Delimited(_Lines):
                     consumed["bad"] = consumed["bad"] or f"not UTF-8 (byte 0x{raw[exc.start]:02x} at line {consumed['line']})"
                     yield raw.decode("utf-8", "surrogateescape") + "\n"
 
-        reader = csv.reader(lines(), delimiter=self.delimiter)
+        csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_BYTES))
+        reader = csv.reader(lines(), **self.dialect)
         first_line = line
         while True:
             try:
@@ -285,7 +300,8 @@ class Delimited(_Lines):
             except csv.Error as exc:
                 raise InputError(f"{self.name}:{first_line}: not {self.path.suffix[1:].upper()} ({exc})") from None
             bad, consumed["bad"] = consumed["bad"], None
-            yield fields, first_line, consumed["offset"], bad
+            if fields or bad:
+                yield fields, first_line, consumed["offset"], bad
             first_line = consumed["line"] + 1
 
     def records(self, offset: int, line: int, index: int) -> Iterator[tuple[Record, int]]:
@@ -324,11 +340,11 @@ class ParquetRows:
         import pyarrow.parquet as pq
 
         self.path, self.name, self.fields = path, name, fields
-        try:
-            self.file = pq.ParquetFile(path)
+        try:  # the footer only: a folder of a thousand part files holds no file open
+            self.metadata = pq.read_metadata(path)
+            schema = self.metadata.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as exc:
             raise InputError(f"{name}: not a Parquet file ({exc})") from None
-        schema = self.file.schema_arrow
         for field in filter(None, (fields.text, fields.id)):
             if field not in schema.names:
                 raise InputError(f"{name}: no column '{field}' (it has {', '.join(map(repr, schema.names))}); "
@@ -347,7 +363,7 @@ class ParquetRows:
                 raise InputError(f"{name}: id column '{fields.id}' holds {kind}, not integers or strings")
 
     def size(self) -> int:
-        return self.file.metadata.num_rows
+        return self.metadata.num_rows
 
     def starts(self) -> Iterator[tuple[int, int]]:
         for row in range(self.size()):
@@ -359,17 +375,22 @@ class ParquetRows:
     def records(self, offset: int, line: int, index: int) -> Iterator[tuple[Record, int]]:
         columns = [c for c in (self.fields.text, self.fields.id) if c]
         groups, first, ends = [], 0, 0  # the row groups from the one holding row ``offset`` on; the row they start at
-        for group in range(self.file.metadata.num_row_groups):
-            starts, ends = ends, ends + self.file.metadata.row_group(group).num_rows
+        for group in range(self.metadata.num_row_groups):
+            starts, ends = ends, ends + self.metadata.row_group(group).num_rows
             if ends > offset:
                 groups.append(group)
                 first = starts if len(groups) == 1 else first
+        if not groups:
+            return
         import pyarrow.parquet as pq
 
-        row = first
-        # A file of its own: a reading left unfinished (a shard read to its end) leaves a
-        # ParquetFile's reader where it stopped, and the next would start there.
-        for batch in pq.ParquetFile(self.path).iter_batches(self.BATCH_ROWS, row_groups=groups, columns=columns):
+        # A file of its own, opened here: a reading left unfinished (a shard read to its end)
+        # leaves a ParquetFile's reader where it stopped, and the next would start there.
+        with pq.ParquetFile(self.path) as file:
+            yield from self._rows(file.iter_batches(self.BATCH_ROWS, row_groups=groups, columns=columns), first, offset, index)
+
+    def _rows(self, batches, row: int, offset: int, index: int) -> Iterator[tuple[Record, int]]:
+        for batch in batches:
             texts = batch.column(self.fields.text).to_pylist()
             keys = batch.column(self.fields.id).to_pylist() if self.fields.id else [None] * len(texts)
             for text, key in zip(texts, keys):

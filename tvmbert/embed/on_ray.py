@@ -13,22 +13,24 @@ On a cluster the package, the corpus and the output must be at the same path on 
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import time
 
 import numpy as np
 
-from tvmbert.core.errors import InputError, Interrupted
+from tvmbert.core.errors import InputError, Interrupted, first_line
 from tvmbert.embed.corpus import Corpus, Position
-from tvmbert.embed.pipeline import Embedder, Options, Tally, _summary, stop_at_bad
+from tvmbert.embed.pipeline import Embedder, Options, Tally, _summary, check_calibrated, stop_at_bad
 from tvmbert.embed.shards import Output
 
 
 class ShardEmbedder:
     """A Ray Data actor: the package loaded once; each batch names shards to read, embed and write."""
 
-    def __init__(self, package: str, source: str, output: str, options: Options, id_type, ranges):
-        self.corpus = Corpus(source, options.fields)
+    def __init__(self, package: str, source: str, shown: str, output: str, options: Options, id_type, ranges):
+        self.corpus = Corpus(source, options.fields, shown)
         self.out = Output.resumed(output)
         self.embedder = Embedder(package, options, id_type, ranges)
         self.options = options
@@ -41,17 +43,19 @@ class ShardEmbedder:
         return {key: np.array([c[key] for c in counts]) for key in counts[0]}
 
 
-def embed_shard(embedder: Embedder, corpus: Corpus, out: Output, shard: int, start: Position, options: Options) -> dict:
-    """One shard read from ``start``, embedded and written; its counts, with the shard's number
-    and how far into the corpus it ends."""
-    read = list(corpus.records(start, options.shard_rows))
-    records, reached = [record for record, _ in read], read[-1][1] if read else 0
-    tokenized = embedder.check_ids(embedder.tokenize(shard, records, reached))
+def embed_shard(embedder: Embedder, corpus: Corpus, out: Output, shard: int, start: Position, options: Options,
+                before_write=None) -> dict:
+    """One shard read from ``start``, embedded and written (``before_write()`` called between:
+    int8's calibration recorded before the shard that made it); its counts and number."""
+    records = [record for record, _ in corpus.records(start, options.shard_rows)]
+    tokenized = embedder.check_ids(embedder.tokenize(shard, records, 0))
     if not options.skip_bad:
         stop_at_bad(tokenized, out)
     table, bad, counts = embedder.shard(tokenized)
+    if before_write is not None:
+        before_write()
     out.write(shard, table, bad, counts)
-    return {**counts, "shard": shard, "reached": reached}
+    return {**counts, "shard": shard}
 
 
 def embed_on_ray(package, source, output, options: Options, address: str | None, actors: int, actor_cpus: float,
@@ -60,22 +64,24 @@ def embed_on_ray(package, source, output, options: Options, address: str | None,
     import ray
 
     corpus = Corpus(source, options.fields)
-    out = Output(output, options.overwrite)
+    out = Output(output, options.overwrite, source)
     embedder = Embedder(package, options, corpus.id_type())
     job = out.begin(embedder.job(corpus))
     embedder.ranges = None if job.get("ranges") is None else np.asarray(job["ranges"], np.float32)
     starts = corpus.positions(options.shard_rows) or [Position(0, 0, 1, 0)]  # an empty corpus: one empty shard
     done = out.done()
+    check_calibrated(job, done, options.precision)
     todo = [k for k in range(len(starts)) if k not in done]
-    size = max(1, corpus.size())
-    tally, started = Tally(), time.perf_counter()
+    # Progress in shards: the actors finish them out of order, so how far into the corpus's bytes
+    # the last one ends says nothing of how much is done.
+    tally, started = Tally(start=1 - len(todo) / len(starts), fraction=1 - len(todo) / len(starts)), time.perf_counter()
 
     def count(counts: dict) -> None:
         tally.rows += int(counts["rows_out"])
         tally.tokens += int(counts["tokens"])
         tally.bad += int(counts["bad"])
         tally.shards += 1
-        tally.fraction = max(tally.fraction, int(counts["reached"]) / size)
+        tally.fraction += 1 / len(starts)
         tally.seconds = time.perf_counter() - started
         if progress:
             progress(tally)
@@ -83,8 +89,8 @@ def embed_on_ray(package, source, output, options: Options, address: str | None,
     try:
         if embedder.ranges is None and options.precision in ("int8", "uint8") and 0 in todo:
             # int8's calibration comes from the first shard: it is done here, before the actors start.
-            count(embed_shard(embedder, corpus, out, 0, starts[0], options))
-            out.learn({**job, "ranges": embedder.ranges.tolist()})
+            count(embed_shard(embedder, corpus, out, 0, starts[0], options,
+                              before_write=lambda: out.learn({**job, "ranges": embedder.ranges.tolist()})))
             todo.remove(0)
         if todo:
             started_here = _ray_started(ray, address)
@@ -93,17 +99,14 @@ def embed_on_ray(package, source, output, options: Options, address: str | None,
             dataset = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
                 ShardEmbedder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=actor_cpus,
                 fn_constructor_kwargs={"package": os.path.abspath(package), "source": os.path.abspath(source),
-                                       "output": os.path.abspath(output), "options": options, "id_type": embedder.id_type,
+                                       "shown": str(source), "output": os.path.abspath(output), "options": options, "id_type": embedder.id_type,
                                        "ranges": embedder.ranges},
                 runtime_env={"env_vars": {"TVM_NUM_THREADS": str(max(1, int(actor_cpus)))}})
             try:
                 for row in dataset.iter_rows():
                     count(row)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.as_instanceof_cause()
-                if isinstance(cause, InputError):  # a bad row an actor found: the same one line as on one machine
-                    raise InputError(str(cause).strip().splitlines()[-1]) from None
-                raise
+            except InputError as exc:  # a bad row an actor found (raised as itself: _ray_started): one line, as on one machine
+                raise InputError(first_line(getattr(exc, "cause", None) or exc)) from None
             finally:
                 if started_here:
                     ray.shutdown()
@@ -120,11 +123,16 @@ def _ray_started(ray, address: str | None) -> bool:
     call connected (and so disconnects at the end)."""
     if ray.is_initialized():
         return False
+    ours = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="warning")
     except ConnectionError as exc:
         raise InputError(f"--ray {address}: no Ray cluster there ({exc})") from None
+    finally:
+        signal.signal(signal.SIGTERM, ours)  # Ray's exits at once; the command's keeps the finished shards and says so
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the command's own progress says it
     context.print_on_execution_start = False
+    context.raise_original_map_exception = True  # a bad row's InputError as itself, not wrapped in Ray's own
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)  # its account of a failed shard: the command says it in one line
     return True

@@ -69,19 +69,11 @@ class Embedder:
         if options.precision not in sentences.PRECISIONS:
             raise InputError(f"--precision must be one of {', '.join(sentences.PRECISIONS)}, got {options.precision!r}")
         self.prompt = self._prompt(package)
-        size = self.model.manifest["weights"][self._hidden_weight()]["shape"][-1]
+        size = sentences.vector_size(self.model)
         sentences.check_dimensions(options.dimensions, size)
         self.dimensions = options.dimensions or size
         self.id_type = id_type
         self.ranges = None if ranges is None else np.asarray(ranges, np.float32)
-
-    def _hidden_weight(self) -> str:
-        """A weight whose last axis is the hidden size: the word embeddings' table (vocab x hidden)."""
-        vocab = self.model.manifest["model"]["vocab_size"]
-        for key, spec in self.model.manifest["weights"].items():
-            if len(spec["shape"]) == 2 and spec["shape"][0] == vocab:
-                return key
-        raise InputError("the package records no word embedding table: its vectors' size is unknown")
 
     def _prompt(self, package) -> str:
         if self.options.prompt is not None and self.options.prompt_name is not None:
@@ -158,8 +150,9 @@ class Embedder:
             floats, tokens, capacity = np.zeros((0, self.dimensions), np.float32), 0, 0
         precision = self.options.precision
         if precision in ("int8", "uint8") and self.ranges is None:
-            if not len(floats):
-                raise InputError("int8 and uint8 vectors are calibrated on the first shard's, and it has no text")
+            if len(floats) < 2:  # one vector's least and greatest are itself: every level collapses
+                raise InputError(f"{precision} vectors are calibrated on the first shard's, and it has {len(floats)} text: "
+                                 "raise --shard-rows")
             self.ranges = sentences.quantization_ranges(floats)
         stored = sentences.quantized(floats, precision, self.ranges)
         width = sentences.stored_size(precision, self.dimensions)
@@ -198,6 +191,14 @@ def _json(value) -> bytes:
     return json.dumps(value).encode()
 
 
+def check_calibrated(job: dict, done: set[int], precision: str) -> None:
+    """int8 and uint8 shards written without their ranges recorded (a job of an older tvmbert)
+    cannot be matched by later ones."""
+    if precision in ("int8", "uint8") and done and job.get("ranges") is None:
+        raise InputError(f"the output's {len(done)} finished shards have no recorded {precision} calibration: --overwrite "
+                         "to start again")
+
+
 def stop_at_bad(tokenized: Tokenized, output: Output) -> None:
     if tokenized.bad:
         first = tokenized.bad[0]
@@ -233,11 +234,12 @@ def embed_corpus(package, source, output, options: Options = Options(), progress
     """Embeds every text of ``source`` into ``output`` (``shards.Output``), resuming from the
     shards a killed run finished; returns the summary. ``progress(tally)`` after each shard."""
     corpus = Corpus(source, options.fields)
-    out = Output(output, options.overwrite)
+    out = Output(output, options.overwrite, source)
     embedder = Embedder(package, options, corpus.id_type())
     job = out.begin(embedder.job(corpus))
     embedder.ranges = None if job.get("ranges") is None else np.asarray(job["ranges"], np.float32)
     done = out.done()
+    check_calibrated(job, done, options.precision)
     size = max(1, corpus.size())
     tally = Tally()
     started = time.perf_counter()
@@ -261,6 +263,8 @@ def embed_corpus(package, source, output, options: Options = Options(), progress
         try:
             shard, records, begun, ended = 0, [], 0, 0
             for record, reached in corpus.records():
+                if stopping.is_set():  # the job failed or was stopped: nothing more to read
+                    return
                 current = record.index // options.shard_rows
                 if current != shard:
                     if shard not in done:

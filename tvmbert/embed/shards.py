@@ -29,21 +29,25 @@ LEARNT = ("ranges",)  # what a job adds to its record as it runs
 
 
 class Output:
-    def __init__(self, path: str | Path, overwrite: bool):
-        """The output at ``path`` checked for a new or resumed job (``overwrite``: what is there removed)."""
+    def __init__(self, path: str | Path, overwrite: bool, source: str | Path):
+        """The output at ``path`` checked for a new or resumed job of the corpus at ``source``
+        (``overwrite``: what a job wrote there is removed, by ``begin``, once the job is known good)."""
         self._at(path)
+        self.overwrite = overwrite
         artifacts.check_writable_folder(self.path.parent, "-o")
+        output, corpus = self.path.resolve(), Path(source).resolve()
+        if output == corpus or corpus in output.parents or output in corpus.parents:
+            raise InputError(f"-o {self.path} and the corpus {source} overlap: write the vectors elsewhere")
         if self.one_file and self.path.is_dir():
             raise InputError(f"-o {self.path} is a folder: a .parquet output is one file (name a folder without the suffix "
                              "for a folder of shards)")
         if not self.one_file and self.path.is_file():
             raise InputError(f"-o {self.path} is a file: name a .parquet file, or a folder for the shards")
-        if overwrite:
-            self._remove()
-        elif self.complete():
+        if not self.one_file and self.path.is_dir() and any(self.path.iterdir()) and not (self.path / JOB_FILE).is_file():
+            raise InputError(f"-o {self.path} is a folder of other files (no {JOB_FILE}: not a job's output): name an empty "
+                             "or new folder")
+        if self.complete() and not overwrite:
             raise InputError(f"{self.path} is already complete; --overwrite to embed again")
-        elif not self.one_file and self.path.is_dir() and any(self.path.iterdir()) and not (self.path / JOB_FILE).is_file():
-            raise InputError(f"-o {self.path} is a folder of other files: name an empty or new folder")
 
     def _at(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -73,6 +77,8 @@ class Output:
     def begin(self, job: dict) -> dict:
         """The job as recorded (``job``, or the one a killed run recorded, with what it learnt
         since, such as int8's calibration ranges). A different job there is refused."""
+        if self.overwrite:
+            self._remove()
         recorded = self.job()
         for left in self.parts.glob(".part-*") if self.parts.is_dir() else ():  # a shard a killed run was writing
             left.unlink(missing_ok=True)
@@ -136,10 +142,10 @@ class Output:
         if self.one_file:
             _merge([self.shard_path(k) for k in range(shards)], self.path)
             shutil.rmtree(self.parts)
-        else:
+        else:  # done first: a run killed before the shards' lists go rebuilds the side file from them
+            artifacts.write_json(self.path / DONE_FILE, summary)
             for path in bad:
                 path.unlink()
-            artifacts.write_json(self.path / DONE_FILE, summary)
 
 
 def _write_table(path: Path, table) -> None:
@@ -149,12 +155,23 @@ def _write_table(path: Path, table) -> None:
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        _renamed(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _renamed(tmp: str, path: Path) -> None:
+    """``tmp``'s bytes on disk, then renamed to ``path``, the rename itself on disk (the folder
+    synced): after a power cut the shard is there whole or not at all."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def _merge(parts: list[Path], path: Path) -> None:
@@ -170,9 +187,7 @@ def _merge(parts: list[Path], path: Path) -> None:
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             for part in parts:
                 writer.write_table(pq.read_table(part).replace_schema_metadata(schema.metadata))
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        _renamed(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -49,6 +49,8 @@ class Service:
         self.labels = model.manifest.get("labels")
         self.served_name = served_name or model.path.resolve().name
         self.task = model.task
+        # The vectors' size, what 'dimensions' may not pass: one short run at start (it warms up too).
+        self.hidden_size = sentences.vector_size(model) if self.task == "feature-extraction" else None
         self.batcher: Batcher | None = None
 
     def start(self) -> None:
@@ -86,12 +88,6 @@ class Service:
         outputs, tokens = await self.outputs([prompt + text for text in texts], truncation)
         return sentences.sentence_vectors(outputs["last_hidden_state"], self.pooling, normalize, dimensions), tokens
 
-    @property
-    def hidden_size(self) -> int:
-        """The vectors' size: the word embedding table's width (vocabulary x hidden)."""
-        vocab = self.model.manifest["model"]["vocab_size"]
-        return next(spec["shape"][1] for spec in self.model.manifest["weights"].values()
-                    if len(spec["shape"]) == 2 and spec["shape"][0] == vocab)
 
     def _prompt(self, payload: dict) -> str:
         """TEI's ``prompt_name``: a key of the model's config_sentence_transformers.json prompts,
