@@ -32,6 +32,20 @@ def vector_size(model) -> int:
     return int(model.run_encodings(model.tokenize(["a"]))["last_hidden_state"][0].shape[-1])
 
 
+def recorded_pooling(manifest: dict) -> tuple[str, bool]:
+    """How export recorded the model's pooling (its 1_Pooling mode, and whether a Normalize
+    module follows): mean over the tokens, then unit length, where the folder said nothing."""
+    packaged = manifest.get("pooling") or {}
+    return packaged.get("mode", "mean_tokens"), packaged.get("normalize", True)
+
+
+def recorded_prompts(manifest: dict) -> tuple[dict[str, str], str | None]:
+    """The model's config_sentence_transformers.json prompts as export recorded them, by name,
+    and the name of the one it applies by default (None: none)."""
+    recorded = manifest.get("prompts") or {}
+    return recorded.get("prompts", {}), recorded.get("default")
+
+
 def check_dimensions(dimensions: int | None, size: int) -> None:
     if dimensions is not None and not 1 <= dimensions <= size:
         raise InputError(f"dimensions must lie between 1 and the model's {size}, got {dimensions}")

@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from tvmbert.core.errors import InputError, Interrupted, first_line
+from tvmbert.core.errors import InputError, first_line
 from tvmbert.embed.corpus import Corpus, Position
-from tvmbert.embed.pipeline import Embedder, Options, Tally, _summary, check_calibrated, stop_at_bad
+from tvmbert.embed.pipeline import Embedder, Options, Started, Tally, _summary, start
 from tvmbert.embed.shards import Output
 
 
@@ -30,32 +30,22 @@ class ShardEmbedder:
     """A Ray Data actor: the package loaded once; each batch names shards to read, embed and write."""
 
     def __init__(self, package: str, source: str, shown: str, output: str, options: Options, id_type, ranges):
-        self.corpus = Corpus(source, options.fields, shown)
-        self.out = Output.resumed(output)
-        self.embedder = Embedder(package, options, id_type, ranges)
-        self.options = options
+        # The driver began the job and found int8's ranges: an actor only writes shards of it.
+        self.started = Started(Corpus(source, options.fields, shown), Output.resumed(output),
+                               Embedder(package, options, id_type, ranges), {}, set())
 
     def __call__(self, batch: dict) -> dict:
         counts = []
         for shard, file, offset, line, index in zip(batch["shard"], batch["file"], batch["offset"], batch["line"], batch["index"]):
-            counts.append(embed_shard(self.embedder, self.corpus, self.out, int(shard),
-                                      Position(int(file), int(offset), int(line), int(index)), self.options))
+            counts.append(embed_shard(self.started, int(shard), Position(int(file), int(offset), int(line), int(index))))
         return {key: np.array([c[key] for c in counts]) for key in counts[0]}
 
 
-def embed_shard(embedder: Embedder, corpus: Corpus, out: Output, shard: int, start: Position, options: Options,
-                before_write=None) -> dict:
-    """One shard read from ``start``, embedded and written (``before_write()`` called between:
-    int8's calibration recorded before the shard that made it); its counts and number."""
-    records = [record for record, _ in corpus.records(start, options.shard_rows)]
-    tokenized = embedder.check_ids(embedder.tokenize(shard, records, 0))
-    if not options.skip_bad:
-        stop_at_bad(tokenized, out)
-    table, bad, counts = embedder.shard(tokenized)
-    if before_write is not None:
-        before_write()
-    out.write(shard, table, bad, counts)
-    return {**counts, "shard": shard}
+def embed_shard(started: Started, shard: int, at: Position) -> dict:
+    """One shard read from ``at``, embedded and written (``Started.write``); its counts and number."""
+    embedder = started.embedder
+    records = [record for record, _ in started.corpus.records(at, embedder.options.shard_rows)]
+    return {**started.write(embedder.check_ids(embedder.tokenize(shard, records, 0))), "shard": shard}
 
 
 def embed_on_ray(package, source, output, options: Options, address: str | None, actors: int, actor_cpus: float,
@@ -63,34 +53,23 @@ def embed_on_ray(package, source, output, options: Options, address: str | None,
     """``pipeline.embed_corpus`` on Ray Data (a running cluster at ``address``, else a local one)."""
     import ray
 
-    corpus = Corpus(source, options.fields)
-    out = Output(output, options.overwrite, source)
-    embedder = Embedder(package, options, corpus.id_type())
-    job = out.begin(embedder.job(corpus))
-    embedder.ranges = None if job.get("ranges") is None else np.asarray(job["ranges"], np.float32)
+    begun = start(package, source, output, options)
+    corpus, out, embedder = begun.corpus, begun.out, begun.embedder
     starts = corpus.positions(options.shard_rows) or [Position(0, 0, 1, 0)]  # an empty corpus: one empty shard
-    done = out.done()
-    check_calibrated(job, done, options.precision)
-    todo = [k for k in range(len(starts)) if k not in done]
+    todo = [k for k in range(len(starts)) if k not in begun.done]
     # Progress in shards: the actors finish them out of order, so how far into the corpus's bytes
     # the last one ends says nothing of how much is done.
     tally, started = Tally(start=1 - len(todo) / len(starts), fraction=1 - len(todo) / len(starts)), time.perf_counter()
 
     def count(counts: dict) -> None:
-        tally.rows += int(counts["rows_out"])
-        tally.tokens += int(counts["tokens"])
-        tally.bad += int(counts["bad"])
-        tally.shards += 1
-        tally.fraction += 1 / len(starts)
-        tally.seconds = time.perf_counter() - started
+        tally.add(counts, tally.fraction + 1 / len(starts), started)
         if progress:
             progress(tally)
 
     try:
         if embedder.ranges is None and options.precision in ("int8", "uint8") and 0 in todo:
             # int8's calibration comes from the first shard: it is done here, before the actors start.
-            count(embed_shard(embedder, corpus, out, 0, starts[0], options,
-                              before_write=lambda: out.learn({**job, "ranges": embedder.ranges.tolist()})))
+            count(embed_shard(begun, 0, starts[0]))
             todo.remove(0)
         if todo:
             started_here = _ray_started(ray, address)
@@ -111,8 +90,7 @@ def embed_on_ray(package, source, output, options: Options, address: str | None,
                 if started_here:
                     ray.shutdown()
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted: {len(out.done())} shards of {options.shard_rows} rows are kept in {out.parts}; the same "
-                          "command resumes from them") from None
+        raise begun.interrupted() from None
     summary = _summary(out, len(starts), tally, time.perf_counter() - started, embedder)
     out.finish(len(starts), summary)
     return {**summary, "ray": {"actors": actors, "actor_cpus": actor_cpus, "address": address or "local"}}

@@ -8,6 +8,7 @@ compiled shapes with little padding, pooled as the package's sentence-transforme
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -63,9 +64,9 @@ class Embedder:
         if self.model.task != "feature-extraction":
             raise InputError(f"{package}: its model ({self.model.task}) gives no last_hidden_state, so no embeddings: "
                              "export the encoder (--task feature-extraction)")
-        packaged = self.model.manifest.get("pooling") or {}
-        self.pooling = options.pooling or packaged.get("mode", "mean_tokens")
-        self.normalize = packaged.get("normalize", True) if options.normalize is None else options.normalize
+        packaged_pooling, packaged_normalize = sentences.recorded_pooling(self.model.manifest)
+        self.pooling = options.pooling or packaged_pooling
+        self.normalize = packaged_normalize if options.normalize is None else options.normalize
         if options.precision not in sentences.PRECISIONS:
             raise InputError(f"--precision must be one of {', '.join(sentences.PRECISIONS)}, got {options.precision!r}")
         self.prompt = self._prompt(package)
@@ -80,14 +81,13 @@ class Embedder:
             raise InputError("--prompt and --prompt-name are one or the other")
         if self.options.prompt is not None:
             return self.options.prompt
-        recorded = self.model.manifest.get("prompts") or {}
-        name = self.options.prompt_name or recorded.get("default")
+        prompts, default = sentences.recorded_prompts(self.model.manifest)
+        name = self.options.prompt_name or default  # as encode applies default_prompt_name
         if name is None:
             return ""
-        if name not in recorded.get("prompts", {}):
-            known = ", ".join(recorded.get("prompts", {})) or "none"
-            raise InputError(f"--prompt-name {name}: {package}'s config_sentence_transformers.json names {known}")
-        return recorded["prompts"][name]
+        if name not in prompts:
+            raise InputError(f"--prompt-name {name}: {package}'s config_sentence_transformers.json names {', '.join(prompts) or 'none'}")
+        return prompts[name]
 
     def job(self, corpus: Corpus) -> dict:
         """What the output is of: a rerun of another is refused (``shards.Output.begin``)."""
@@ -118,7 +118,7 @@ class Embedder:
             bad = sorted([*bad, *(_bad(good[i], reason) for i, reason in too_long.items())], key=lambda b: b["row"])
             encodings = [e for i, e in enumerate(encodings) if i not in too_long]
             good = [r for i, r in enumerate(good) if i not in too_long]
-        return Tokenized(shard, [*good], encodings, bad, len(truncated) if self.options.truncate else 0, reached)
+        return Tokenized(shard, good, encodings, bad, len(truncated) if self.options.truncate else 0, reached)
 
     def vectors(self, encodings: list) -> tuple[np.ndarray, int, int]:
         """[texts, dimensions] float32 in the encodings' order; the tokens, and the tokens run
@@ -161,7 +161,7 @@ class Embedder:
         if self.options.fields.id is not None:
             columns["id"] = pa.array([r.id for r in tokenized.records], pa.int64() if self.id_type == "int64" else pa.string())
         columns["embedding"] = pa.FixedSizeListArray.from_arrays(values, width)
-        table = pa.table(columns).replace_schema_metadata({OUTPUT_KEY: _json(self.describes())})
+        table = pa.table(columns).replace_schema_metadata({OUTPUT_KEY: json.dumps(self.describes()).encode()})
         counts = {"rows_in": len(tokenized.records) + len(tokenized.bad), "rows_out": len(tokenized.records),
                   "bad": len(tokenized.bad), "tokens": tokens, "tokens_run": capacity, "truncated": tokenized.truncated}
         return table, tokenized.bad, counts
@@ -176,19 +176,14 @@ class Embedder:
             return tokenized
         kind = "an integer" if wanted is int else "a string"
         bad = [_bad(tokenized.records[i], f"the id is not {kind}, as the corpus's first id is") for i in wrong]
-        keep = [i for i in range(len(tokenized.records)) if i not in set(wrong)]
+        wrong = set(wrong)
+        keep = [i for i in range(len(tokenized.records)) if i not in wrong]
         return replace(tokenized, records=[tokenized.records[i] for i in keep], encodings=[tokenized.encodings[i] for i in keep],
                        bad=sorted([*tokenized.bad, *bad], key=lambda b: b["row"]))
 
 
 def _bad(record: Record, reason: str) -> dict:
     return {"file": record.file, "line": record.line, "row": record.index, "reason": reason}
-
-
-def _json(value) -> bytes:
-    import json
-
-    return json.dumps(value).encode()
 
 
 def check_calibrated(job: dict, done: set[int], precision: str) -> None:
@@ -204,6 +199,52 @@ def stop_at_bad(tokenized: Tokenized, output: Output) -> None:
         first = tokenized.bad[0]
         where = f"{first['file']}:{first['line']}" if not first["file"].endswith(".parquet") else f"{first['file']} row {first['line']}"
         raise InputError(f"{where}: {first['reason']} (--skip-bad counts such rows and lists them in {output.bad_file})")
+
+
+@dataclass
+class Started:
+    """A job begun on this output (``start``), the same on one machine and on Ray."""
+
+    corpus: Corpus
+    out: Output
+    embedder: Embedder
+    job: dict  # as recorded in the output, with what it has learnt (int8's ranges)
+    done: set[int]  # the shards a killed run finished
+
+    def write(self, tokenized: Tokenized) -> dict:
+        """A shard's table made and written (a bad row stops it, unless --skip-bad); its counts.
+        int8's calibration, made by the first shard, is recorded before that shard is written: a
+        job killed between the two finds it again."""
+        options = self.embedder.options
+        if not options.skip_bad:
+            stop_at_bad(tokenized, self.out)
+        had_ranges = self.embedder.ranges is not None
+        table, bad, counts = self.embedder.shard(tokenized)
+        if self.embedder.ranges is not None and not had_ranges:
+            self.job = {**self.job, "ranges": self.embedder.ranges.tolist()}
+            self.out.learn(self.job)
+        self.out.write(tokenized.shard, table, bad, counts)
+        return counts
+
+    def interrupted(self) -> Interrupted:
+        return Interrupted(f"interrupted: {len(self.out.done())} shards of {self.embedder.options.shard_rows} rows are kept in "
+                           f"{self.out.parts}; the same command resumes from them")
+
+
+def start(package, source, output, options: Options) -> Started:
+    """The corpus, the output checked and the package loaded, the job recorded or resumed."""
+    try:
+        import pyarrow  # noqa: F401 - said here, before any work: every output is Parquet
+    except ImportError:
+        raise InputError("tvmbert embed writes Parquet with pyarrow: pip install 'tvmbert[embed]'") from None
+    corpus = Corpus(source, options.fields)
+    out = Output(output, options.overwrite, source)
+    embedder = Embedder(package, options, corpus.id_type())
+    job = out.begin(embedder.job(corpus))
+    embedder.ranges = None if job.get("ranges") is None else np.asarray(job["ranges"], np.float32)
+    done = out.done()
+    check_calibrated(job, done, options.precision)
+    return Started(corpus, out, embedder, job, done)
 
 
 # ---- the job -------------------------------------------------------------------------------------
@@ -226,6 +267,15 @@ class Tally:
         moved = self.fraction - self.start
         return None if moved <= 0 else self.seconds * (1 - self.fraction) / moved
 
+    def add(self, counts: dict, fraction: float, started: float) -> None:
+        """A shard done (its counts), the corpus ``fraction`` done with it, since ``started``."""
+        self.rows += int(counts["rows_out"])
+        self.tokens += int(counts["tokens"])
+        self.bad += int(counts["bad"])
+        self.shards += 1
+        self.fraction = fraction
+        self.seconds = time.perf_counter() - started
+
 
 SENTINEL = object()
 
@@ -233,13 +283,8 @@ SENTINEL = object()
 def embed_corpus(package, source, output, options: Options = Options(), progress=None) -> dict:
     """Embeds every text of ``source`` into ``output`` (``shards.Output``), resuming from the
     shards a killed run finished; returns the summary. ``progress(tally)`` after each shard."""
-    corpus = Corpus(source, options.fields)
-    out = Output(output, options.overwrite, source)
-    embedder = Embedder(package, options, corpus.id_type())
-    job = out.begin(embedder.job(corpus))
-    embedder.ranges = None if job.get("ranges") is None else np.asarray(job["ranges"], np.float32)
-    done = out.done()
-    check_calibrated(job, done, options.precision)
+    begun = start(package, source, output, options)
+    corpus, out, embedder, done = begun.corpus, begun.out, begun.embedder, begun.done
     size = max(1, corpus.size())
     tally = Tally()
     started = time.perf_counter()
@@ -286,28 +331,15 @@ def embed_corpus(package, source, output, options: Options = Options(), progress
         while (item := items.get()) is not SENTINEL:
             if isinstance(item, BaseException):
                 raise item
-            if not options.skip_bad:
-                stop_at_bad(item, out)
-            had_ranges = embedder.ranges is not None
-            table, bad, counts = embedder.shard(item)
-            if embedder.ranges is not None and not had_ranges:
-                job = {**job, "ranges": embedder.ranges.tolist()}
-                out.learn(job)
-            out.write(item.shard, table, bad, counts)
+            counts = begun.write(item)
             shards = max(shards, item.shard + 1)
             if not tally.shards:
                 tally.start = item.begun / size
-            tally.rows += counts["rows_out"]
-            tally.tokens += counts["tokens"]
-            tally.bad += counts["bad"]
-            tally.shards += 1
-            tally.fraction = item.reached / size
-            tally.seconds = time.perf_counter() - started
+            tally.add(counts, item.reached / size, started)
             if progress:
                 progress(tally)
     except KeyboardInterrupt:
-        raise Interrupted(f"interrupted: {len(out.done())} shards of {options.shard_rows} rows are kept in {out.parts}; the same "
-                          "command resumes from them") from None
+        raise begun.interrupted() from None
     finally:
         stopping.set()
     summary = _summary(out, shards, tally, time.perf_counter() - started, embedder)

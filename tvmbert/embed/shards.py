@@ -27,7 +27,6 @@ OUTPUT_KEY = b"tvmbert.embed"  # what the vectors are (model, precision, ranges)
 LEARNT = ("ranges",)  # what a job adds to its record as it runs
 
 
-
 class Output:
     def __init__(self, path: str | Path, overwrite: bool, source: str | Path):
         """The output at ``path`` checked for a new or resumed job of the corpus at ``source``
@@ -175,15 +174,16 @@ def _renamed(tmp: str, path: Path) -> None:
 
 
 def _merge(parts: list[Path], path: Path) -> None:
-    """The shards' row groups copied in order into one file, a shard in memory at a time."""
+    """The shards' row groups copied in order into one file, a shard in memory at a time (a job
+    has one shard at least: an empty corpus's is empty), under the footer that says what its
+    vectors are, without a shard's counts."""
     import pyarrow.parquet as pq
 
-    schema = pq.read_schema(parts[0]).remove_metadata() if parts else None
-    metadata = pq.read_schema(parts[0]).metadata if parts else {}
+    first = pq.read_schema(parts[0])
+    schema = first.remove_metadata().with_metadata({OUTPUT_KEY: first.metadata[OUTPUT_KEY]})
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        schema = schema.with_metadata({OUTPUT_KEY: metadata[OUTPUT_KEY]})
         with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
             for part in parts:
                 writer.write_table(pq.read_table(part).replace_schema_metadata(schema.metadata))

@@ -43,7 +43,6 @@ def _keyed(app, api_key: str, metrics, routes: set[str]):
     a 401 with a JSON body, counted under its route (a path no route serves: "other", so that a
     scan of paths cannot grow the metrics without bound)."""
     expected = api_key.encode()
-    unauthorized = {"message": "a missing or wrong API key: send 'Authorization: Bearer <key>'", "kind": "unauthorized"}
 
     async def keyed(scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health":
@@ -54,7 +53,7 @@ def _keyed(app, api_key: str, metrics, routes: set[str]):
             return await app(scope, receive, send)
         route = scope["path"] if scope["path"] in routes else "other"
         metrics.count(route, 401)
-        response = error_response(401, unauthorized["message"], unauthorized["kind"], route)
+        response = error_response(401, "a missing or wrong API key: send 'Authorization: Bearer <key>'", "unauthorized", route)
         response.headers["www-authenticate"] = "Bearer"
         await response(scope, receive, send)
 

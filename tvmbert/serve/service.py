@@ -40,12 +40,11 @@ class Service:
         self._unknown_id = tokenizer.token_to_id(unknown) if unknown else None  # entities say the text for it
         self._join_tokens = tokenizer.decoder.decode if tokenizer.decoder is not None else " ".join  # an entity's word
         self.model, self.limits, self.metrics = model, limits, Metrics()
-        packaged = model.manifest.get("pooling") or {}
-        self.pooling = pooling or packaged.get("mode", "mean_tokens")
+        packaged_pooling, self.normalize_default = sentences.recorded_pooling(model.manifest)
+        self.pooling = pooling or packaged_pooling
         if self.pooling not in MODES:
             raise InputError(f"--pooling must be one of {', '.join(MODES)}, got '{self.pooling}'")
-        self.normalize_default = packaged.get("normalize", True)
-        self.prompts = (model.manifest.get("prompts") or {}).get("prompts", {})  # config_sentence_transformers.json's
+        self.prompts, _ = sentences.recorded_prompts(model.manifest)  # TEI applies no default one unasked
         self.labels = model.manifest.get("labels")
         self.served_name = served_name or model.path.resolve().name
         self.task = model.task
@@ -87,7 +86,6 @@ class Service:
             dimensions = requests.integer(payload, "dimensions", None, 1, self.hidden_size)
         outputs, tokens = await self.outputs([prompt + text for text in texts], truncation)
         return sentences.sentence_vectors(outputs["last_hidden_state"], self.pooling, normalize, dimensions), tokens
-
 
     def _prompt(self, payload: dict) -> str:
         """TEI's ``prompt_name``: a key of the model's config_sentence_transformers.json prompts,
